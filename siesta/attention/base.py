@@ -1,0 +1,117 @@
+"""The paged KV cache layout and the metadata attention backends consume.
+
+Layout is block-first: ``cache[block, layer, k_or_v, slot_in_block, kv_head, head_dim]``.
+One block holds every layer's K and V in one contiguous region, so moving a
+block between tiers is a single copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class KVCache:
+    tensor: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+    @classmethod
+    def allocate(
+        cls,
+        num_blocks: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> KVCache:
+        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device))
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tensor.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.tensor.shape[3]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.tensor[0].numel() * self.tensor.element_size()
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V views of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
+        return self.tensor[:, layer_idx, 0], self.tensor[:, layer_idx, 1]
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's flattened batch: requests' new tokens laid end to end.
+
+    Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; its
+    context (cached tokens plus the new ones) is ``seq_lens[i]`` long, so its new
+    tokens sit at positions ``seq_lens[i] - q_len_i ... seq_lens[i] - 1`` and attend
+    causally to everything before them. Token ``t``'s K/V go to flat slot
+    ``slot_mapping[t] = block * block_size + offset``.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int32, device
+    seq_lens: torch.Tensor  # [B] int32, device
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, device
+    slot_mapping: torch.Tensor  # [T] int64, device
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so backends that loop over requests never synchronize.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        layer_idx: int,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store the new tokens' K/V, then attend causally over the paged context.
+
+        ``q`` is ``[T, q_heads, head_dim]``, ``k``/``v`` are ``[T, kv_heads, head_dim]``
+        (q_heads a multiple of kv_heads: grouped-query attention); returns ``q``'s shape.
+        """
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` takes the Triton kernels on CUDA and the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from siesta.attention.torch_ref import TorchAttention
+
+        return TorchAttention()
+    if name == "triton":
+        from siesta.attention.triton_attention import TritonAttention
+
+        return TritonAttention()
+    raise ValueError(f"unknown attention backend {name!r}: expected auto, torch or triton")

@@ -1,0 +1,105 @@
+"""Paged attention in plain torch: the CPU path and the oracle for the GPU kernels.
+
+Decode rows (one query each) are attended together in one padded batch; rows with
+longer queries (prefill chunks) are attended one request at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from siesta.attention.base import AttentionMetadata, KVCache
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor) -> None:
+    k_cache, v_cache = kv_cache.layer(layer_idx)
+    block = slot_mapping // kv_cache.block_size
+    offset = slot_mapping % kv_cache.block_size
+    k_cache[block, offset] = k.to(k_cache.dtype)
+    v_cache[block, offset] = v.to(v_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens held by ``block_ids``: ``[length, kv_heads, head_dim]``."""
+    blocks = cache[block_ids]  # [n, block_size, H, D]
+    return blocks.reshape(-1, *blocks.shape[2:])[:length]
+
+
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[L, kv_heads, D] -> [q_heads, L, D], each KV head shared by ``groups`` query heads."""
+    x = x.transpose(0, 1)
+    return x.repeat_interleave(groups, dim=0) if groups > 1 else x
+
+
+class TorchAttention:
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        layer_idx: int,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, kv_cache, layer_idx, meta.slot_mapping)
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc_cpu
+        decode_rows = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
+        if decode_rows:
+            self._decode(q, kv_cache, layer_idx, meta, scale, decode_rows, out)
+        for i in range(meta.num_reqs):
+            s, e = starts[i], starts[i + 1]
+            if e - s > 1:
+                out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], kv_cache, layer_idx, meta, i, scale)
+        return out
+
+    def _prefill(self, q, k, v, kv_cache, layer_idx, meta, i, scale) -> torch.Tensor:
+        q_len, ctx_len = q.shape[0], meta.seq_lens_cpu[i]
+        groups = q.shape[1] // k.shape[1]
+        if ctx_len == q_len:
+            # No cached prefix: the new K/V are the whole context, no gather needed.
+            ctx_k, ctx_v, causal, mask = k, v, True, None
+        else:
+            k_cache, v_cache = kv_cache.layer(layer_idx)
+            n_blocks = -(-ctx_len // kv_cache.block_size)
+            ids = meta.block_tables[i, :n_blocks]
+            ctx_k = gather_context(k_cache, ids, ctx_len)
+            ctx_v = gather_context(v_cache, ids, ctx_len)
+            # Query j sits at position ctx_len - q_len + j and sees positions <= that.
+            mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
+            causal = False
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).to(ctx_k.dtype),
+            _grouped(ctx_k, groups),
+            _grouped(ctx_v, groups),
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+        )
+        return o.transpose(0, 1)
+
+    def _decode(self, q, kv_cache, layer_idx, meta, scale, rows: list[int], out: torch.Tensor) -> None:
+        k_cache, v_cache = kv_cache.layer(layer_idx)
+        bs = kv_cache.block_size
+        lens = [meta.seq_lens_cpu[i] for i in rows]
+        max_len = max(lens)
+        n_blocks = -(-max_len // bs)
+        row_idx = torch.tensor(rows, device=q.device)
+        tables = meta.block_tables[row_idx, :n_blocks]  # [B, n]
+        b = len(rows)
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        groups = q.shape[1] // kv_heads
+        ctx_k = k_cache[tables].reshape(b, n_blocks * bs, kv_heads, head_dim).transpose(1, 2)
+        ctx_v = v_cache[tables].reshape(b, n_blocks * bs, kv_heads, head_dim).transpose(1, 2)
+        valid = torch.arange(n_blocks * bs, device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
+        # Query heads that share a KV head become that head's query rows: no K/V copies for GQA.
+        qd = q[torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=q.device)]
+        qd = qd.view(b, kv_heads, groups, head_dim).to(ctx_k.dtype)
+        o = F.scaled_dot_product_attention(qd, ctx_k, ctx_v, attn_mask=valid[:, None, None, :], scale=scale)
+        out[torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=q.device)] = o.reshape(
+            b, kv_heads * groups, head_dim
+        ).to(out.dtype)

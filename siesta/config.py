@@ -1,0 +1,175 @@
+"""Every engine setting in one place, with its defaults and validation.
+
+The engine is built from an ``EngineConfig``; nothing else holds tunables.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names it."""
+
+
+def resolve_dtype(name: str | torch.dtype, model_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``auto`` picks the checkpoint's dtype, except where this device runs it badly."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ConfigError(f"dtype={name!r} is not one of auto, {', '.join(sorted(set(_DTYPES)))}")
+        return _DTYPES[name]
+    if device.type == "cpu":
+        # CPU matmuls in fp16 run ~10x slower than fp32 here; bf16 keeps its speed.
+        return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float32
+    return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@dataclass
+class ModelConfig:
+    """Which weights to run and how."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None  # None: the model's own
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None  # None: the model's context length
+    seed: int = 0  # random-init weights and unseeded sampling
+    weight_version: str = "0"
+
+    def validate(self) -> None:
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not one of auto, {', '.join(sorted(set(_DTYPES)))}")
+
+
+@dataclass
+class CacheConfig:
+    """The paged device KV cache."""
+
+    block_size: int = 16
+    # Exactly one sizing rule applies: explicit bytes win over a memory fraction.
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # On CPU there is no device to fill; this many bytes are used unless kv_cache_bytes says otherwise.
+    cpu_kv_cache_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise ConfigError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    # None: DEFAULT_MAX_NUM_BATCHED_TOKENS, or max_model_len when prefills are not chunked.
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+
+    def resolve(self, max_model_len: int) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                self.max_num_batched_tokens = max(self.max_num_batched_tokens, max_model_len)
+
+    def validate(self, max_model_len: int) -> None:
+        self.resolve(max_model_len)
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ConfigError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                f"least max_model_len ({max_model_len}), or a long prompt could never be scheduled"
+            )
+
+
+@dataclass
+class KVTransferConfig:
+    """Which KV connector moves blocks between the device and the outer tiers."""
+
+    kv_connector: str | None = None
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_connector_module_path: str | None = None
+
+    @classmethod
+    def from_any(cls, value: KVTransferConfig | dict[str, Any] | str | None) -> KVTransferConfig | None:
+        """Accept the dataclass, a dict (Python API) or a JSON string (CLI)."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"kv_transfer_config must be a dict or JSON object, got {type(value).__name__}")
+        unknown = set(value) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise ConfigError(f"kv_transfer_config has unknown keys: {sorted(unknown)}")
+        cfg = cls(**value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if not self.kv_connector:
+            raise ConfigError("kv_transfer_config needs 'kv_connector' (e.g. 'OffloadingConnector')")
+        if self.kv_role not in ("kv_both", "kv_producer", "kv_consumer"):
+            raise ConfigError(f"kv_role must be kv_both, kv_producer or kv_consumer, got {self.kv_role!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ConfigError("kv_connector_extra_config must be a dict")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig | None = None
+    device: str | None = None  # None: cuda when available, else cpu
+    enable_sleep_mode: bool = True
+    # CUDA graphs for decode; ignored on CPU.
+    enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto | torch | triton
+
+    def torch_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def validate(self, max_model_len: int) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate(max_model_len)
+        if self.kv_transfer is not None:
+            self.kv_transfer.validate()
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

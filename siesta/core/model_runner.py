@@ -1,0 +1,198 @@
+"""Turns a scheduled step into tensors, runs the model, samples.
+
+Owns the weights, the device KV cache and the sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from siesta.attention.base import AttentionMetadata, KVCache, get_attention_backend
+from siesta.config import EngineConfig, resolve_dtype
+from siesta.core.sampler import SampleResult, Sampler, SamplingRow
+from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
+from siesta.model.llama import CausalLM
+from siesta.model.loader import ModelSource
+from siesta.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # hidden-state rows whose logits are sampled
+    sampled: list[ScheduledRequest]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = resolve_dtype(config.model.dtype, source.checkpoint_dtype, self.device)
+        self.max_model_len = max_model_len
+        self.block_size = config.cache.block_size
+        self.backend = get_attention_backend(config.attention_backend, self.device)
+        self.model = self._build_model(source)
+        self.kv_cache = self._allocate_kv_cache()
+        self.sampler = Sampler(seed=config.model.seed, device=self.device)
+
+    # -- setup -----------------------------------------------------------------------
+
+    def _build_model(self, source: ModelSource) -> CausalLM:
+        t0 = time.perf_counter()
+        with torch.device("meta"):
+            model = CausalLM(source.hf_config, self.max_model_len, self.backend)
+        # Materialise on the device without initialising: every parameter is loaded next.
+        model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        model.tie_weights()
+        model.model.rotary.build_tables(self.device)
+        self.load_weights(model, source.iter_weights(self.dtype, self.device), complete=True)
+        model.eval()
+        logger.info("loaded %s in %.1fs (%s, %s)", source.name, time.perf_counter() - t0, self.dtype, self.device)
+        return model
+
+    @staticmethod
+    def load_weights(model: CausalLM, weights, complete: bool = False) -> set[str]:
+        written = model.load_weights(weights)
+        if complete:
+            missing = model.expected_weight_names() - written
+            if missing:
+                raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+        return written
+
+    def _allocate_kv_cache(self) -> KVCache:
+        shape = self.model.shape
+        block_bytes = KVCache.bytes_per_block(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
+        num_blocks = max(1, self._kv_cache_bytes() // block_bytes)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size, num_blocks * block_bytes / 2**20)
+        return KVCache.allocate(
+            num_blocks, shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype, self.device
+        )
+
+    def _kv_cache_bytes(self) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_bytes is not None:
+            return cache.kv_cache_bytes
+        if self.device.type != "cuda":
+            return cache.cpu_kv_cache_bytes
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_elsewhere = total - free  # weights, other processes
+        activation_peak = self._profile_activation_bytes()
+        return int(total * cache.gpu_memory_utilization - used_elsewhere - activation_peak)
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak memory of one full-budget prefill, run against a throwaway one-block cache."""
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        shape = self.model.shape
+        scratch = KVCache.allocate(
+            -(-n // self.block_size), shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim,
+            self.dtype, self.device,
+        )
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        meta = self._dummy_prefill_meta(n, scratch.num_blocks)
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                                torch.arange(n, device=self.device), scratch, meta)
+            self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch
+        torch.cuda.empty_cache()
+        return peak
+
+    def _dummy_prefill_meta(self, n: int, num_blocks: int) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
+            slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
+            max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    # -- one step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> dict[str, SampleResult]:
+        if sched.is_empty:
+            return {}
+        inputs = self._prepare(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        if not inputs.sampled:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        rows = [self._sampling_row(item.request) for item in inputs.sampled]
+        results = self.sampler(logits, rows)
+        return {item.request.request_id: r for item, r in zip(inputs.sampled, results)}
+
+    def _prepare(self, sched: SchedulerOutput) -> StepInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[ScheduledRequest] = []
+        for item in sched.scheduled:
+            end = item.start + item.num_new_tokens
+            ids.extend(item.request.all_token_ids[item.start : end])
+            positions.extend(range(item.start, end))
+            starts.append(starts[-1] + item.num_new_tokens)
+            seq_lens.append(end)
+            if item.sample:
+                logits_rows.append(starts[-1] - 1)
+                sampled.append(item)
+        max_blocks = max(len(item.block_ids) for item in sched.scheduled)
+        table = [item.block_ids + [0] * (max_blocks - len(item.block_ids)) for item in sched.scheduled]
+        dev = self.device
+        pos = torch.tensor(positions, dtype=torch.int64)
+        block_tables = torch.tensor(table, dtype=torch.int32)
+        row_of_token = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(starts[1:]) - torch.tensor(starts[:-1]))
+        slots = block_tables[row_of_token, pos // self.block_size].long() * self.block_size + pos % self.block_size
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=block_tables.to(dev, non_blocking=True),
+            slot_mapping=slots.to(dev, non_blocking=True),
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=starts,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=pos.to(dev, non_blocking=True),
+            meta=meta,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
+            sampled=sampled,
+        )
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        params = request.sampling_params
+        if params.seed is not None and request.generator is None:
+            request.generator = torch.Generator(device=self.device)
+            request.generator.manual_seed(params.seed)
+        banned: list[int] = []
+        if request.num_output_tokens < params.min_tokens:
+            banned.extend(params.stop_token_ids or ())
+            if not params.ignore_eos:
+                banned.extend(request.eos_token_ids)
+        return SamplingRow(
+            params=params,
+            generator=request.generator,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            banned_token_ids=banned,
+        )

@@ -1,0 +1,248 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+Every step has a token budget. Running requests go first (a decode token each,
+or the next chunk of their prefill), then waiting requests in arrival order.
+When the device runs out of KV blocks the most recently admitted running
+request is preempted: its blocks are freed and it is recomputed later (its
+prefix usually comes back from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from siesta.config import SchedulerConfig
+from siesta.core.sampler import SampleResult
+from siesta.kv.kv_manager import KVManager, cdiv
+from siesta.metrics import EngineStats
+from siesta.request import EngineCoreOutput, Request, RequestStatus, SampledLogprobs
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # position of the first token computed this step
+    num_new_tokens: int
+    block_ids: list[int]
+    sample: bool  # the step reaches the request's last known token, so it samples the next
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Requests that left since the previous step (finished, aborted): state to drop downstream.
+    finished_req_ids: set[str] = field(default_factory=set)
+    connector_meta: Any = None
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVManager, max_model_len: int, stats: EngineStats) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.stats = stats
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.admit_new = True  # False while pausing in "wait" mode
+        self._finished_ids: set[str] = set()
+
+    # -- requests in and out ---------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                outputs.append(self._finish(request, RequestStatus.FINISHED_ABORTED))
+        return outputs
+
+    def fail_requests(self, request_ids: Iterable[str], error: str) -> list[EngineCoreOutput]:
+        outputs = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                out = self._finish(request, RequestStatus.FINISHED_ERROR)
+                out.error = error
+                outputs.append(out)
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_req_ids and self.admit_new:
+            self._schedule_waiting(out, budget)
+        self._record_gauges()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate(request, request.num_computed_tokens + num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is request:
+                    return budget
+            self._commit(request, num_new, out)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if self.kv.allocate(request, num_cached + num_new, cached) is None:
+                break
+            self.waiting.popleft()
+            self._admit(request, num_cached)
+            self._commit(request, num_new, out)
+            budget -= num_new
+
+    def _admit(self, request: Request, num_cached: int) -> None:
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+            self.stats.inc("prompt_tokens", request.num_prompt_tokens)
+        self.stats.inc("prefix_cache_queries", request.num_tokens)
+        self.stats.inc("prefix_cache_hits", num_cached)
+        request.num_computed_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _commit(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        start = request.num_computed_tokens
+        request.num_computed_tokens += num_new
+        out.scheduled.append(
+            ScheduledRequest(
+                request=request,
+                start=start,
+                num_new_tokens=num_new,
+                block_ids=self.kv.block_ids(request.request_id),
+                sample=request.num_computed_tokens == request.num_tokens,
+            )
+        )
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted_req_ids.add(request.request_id)
+        self.stats.inc("num_preemptions")
+
+    def preempt_all_running(self) -> set[str]:
+        """Free every running request's blocks; they resume (recompute or load) when scheduled again."""
+        out = SchedulerOutput()
+        while self.running:
+            self._preempt(self.running.pop(), out)
+        return out.preempted_req_ids
+
+    # -- after the step ----------------------------------------------------------------
+
+    def update(self, sched: SchedulerOutput, samples: dict[str, SampleResult], weight_version: str) -> list[EngineCoreOutput]:
+        outputs = []
+        for item in sched.scheduled:
+            request = item.request
+            sample = samples.get(request.request_id)
+            if sample is None or request.status != RequestStatus.RUNNING:
+                continue
+            request.append_output_token(sample.token_id)
+            self.stats.inc("generation_tokens")
+            status = self._stop_status(request, sample.token_id)
+            out = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[sample.token_id],
+                new_logprobs=_logprobs(sample),
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                weight_version=weight_version,
+            )
+            if status is not None:
+                done = self._finish(request, status)
+                out.finish_reason, out.stop_reason = done.finish_reason, done.stop_reason
+            outputs.append(out)
+        self._record_gauges()
+        return outputs
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> EngineCoreOutput:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free(request)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)
+        self.stats.inc("request_success", finished_reason=status.value)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            finish_reason=status.value,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def _record_gauges(self) -> None:
+        self.stats.set("num_requests_running", len(self.running))
+        self.stats.set("num_requests_waiting", len(self.waiting))
+        self.stats.set("kv_cache_usage_perc", self.kv.pool.usage)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.kv.block_size)
+
+
+def _logprobs(sample: SampleResult) -> list[SampledLogprobs] | None:
+    if sample.logprob is None:
+        return None
+    return [SampledLogprobs(token_id=sample.token_id, logprob=sample.logprob, rank=sample.rank or 0, top=sample.top_logprobs)]

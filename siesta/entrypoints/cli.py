@@ -1,0 +1,90 @@
+"""``siesta`` command line: generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from siesta.config import ConfigError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file, HF directory or random:<shape>; default: embedded SmolLM2")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-bytes", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    p.add_argument("--kv-transfer-config", default=None, help="JSON, e.g. '{\"kv_connector\":\"OffloadingConnector\"}'")
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    keys = ["model", "tokenizer", "dtype", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization",
+            "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
+            "kv_transfer_config", "device", "seed", "enforce_eager", "attention_backend"]  # fmt: skip
+    return {k: getattr(args, k) for k in keys}
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from siesta import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.sample_seed)
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": p} for p in args.prompt], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for out in outputs:
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "text": out.outputs[0].text, "finish_reason": out.outputs[0].finish_reason}))
+        else:
+            print(out.outputs[0].text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="siesta", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true")
+    _engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from siesta.bench import throughput
+
+    tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers' generate")
+    throughput.add_arguments(tp)
+    _engine_args(tp)
+    tp.set_defaults(func=throughput.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ConfigError, ValueError) as e:
+        print(f"siesta: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Building blocks shared by the decoder: RMSNorm, rotary embeddings, fused projections."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, scale in the model dtype: the reference implementation's rounding.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The rope settings of a transformers config, old (rope_scaling) or new (rope_parameters) style."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(params["factor"])
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_type {kind!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to ``max_positions``, applied in the rotate-half layout."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.params = head_dim, max_positions, params
+        self.build_tables(None)
+
+    def build_tables(self, device: torch.device | None) -> None:
+        """(Re)compute the fp32 tables, e.g. after the module was materialised from the meta device."""
+        inv_freq = inverse_frequencies(self.head_dim, self.params)
+        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos().to(device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MergedLinear(nn.Module):
+    """One matmul for several projections of the same input (q/k/v, gate/up).
+
+    Checkpoints store the parts separately; ``load_shard`` writes each into its rows.
+    """
+
+    def __init__(self, in_features: int, out_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__()
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in out_sizes.items():
+            self.offsets[name] = (start, size)
+            start += size
+        self.weight = nn.Parameter(torch.empty(start, in_features))
+        self.bias = nn.Parameter(torch.zeros(start)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_shard(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
+        start, size = self.offsets[shard]
+        target = self.weight if kind == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"checkpoint has a {shard} bias but this model has none")
+        part = target.data[start : start + size]
+        if part.shape != tensor.shape:
+            raise ValueError(f"{shard}.{kind}: checkpoint shape {tuple(tensor.shape)} != model {tuple(part.shape)}")
+        part.copy_(tensor)

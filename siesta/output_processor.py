@@ -1,0 +1,161 @@
+"""Frontend side of a request: detokenize, apply stop strings, shape vLLM-style outputs, time it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from siesta.metrics import MetricsRegistry
+from siesta.request import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from siesta.sampling import SamplingParams
+from siesta.tokenizer import IncrementalDetokenizer, find_stop
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    arrival: float = field(default_factory=time.monotonic)
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    weight_version: str = "0"
+    error: str | None = None
+    last_token_time: float | None = None
+    last_delta_chars: int = 0  # text added by the latest tokens, where a stop string may end
+    # Where the caller's last delta ended (streaming).
+    sent_text: int = 0
+    sent_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, metrics: MetricsRegistry) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> RequestState:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
+        state = RequestState(request_id, prompt, prompt_token_ids, params, detok)
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self.states[request_id] = state
+        return state
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestState], list[str]]:
+        """Apply core outputs; returns the states that changed and the ids the core must abort (stop strings)."""
+        changed: list[RequestState] = []
+        to_abort: list[str] = []
+        now = time.monotonic()
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None or state.finished:
+                continue
+            self._apply(state, out, now)
+            if out.finish_reason is None and self._check_stop_strings(state):
+                to_abort.append(state.request_id)
+            if state.finished:
+                self._finish(state, now)
+            changed.append(state)
+        return changed, to_abort
+
+    def _apply(self, state: RequestState, out: EngineCoreOutput, now: float) -> None:
+        state.num_cached_tokens = out.num_cached_tokens
+        state.weight_version = out.weight_version
+        if out.new_token_ids:
+            if state.last_token_time is None:
+                self.metrics.observe("time_to_first_token_seconds", now - state.arrival)
+            else:
+                self.metrics.observe("inter_token_latency_seconds", now - state.last_token_time)
+            state.last_token_time = now
+        state.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs and state.logprobs is not None:
+            for lp in out.new_logprobs:
+                state.logprobs.append(self._logprob_dict(lp.token_id, lp.logprob, lp.rank, lp.top))
+                state.cumulative_logprob += lp.logprob
+        if state.detokenizer is not None and out.new_token_ids:
+            delta = state.detokenizer.push(out.new_token_ids)
+            state.text += delta
+            state.last_delta_chars = len(delta)
+        if out.finish_reason is not None:
+            state.finish_reason, state.stop_reason, state.error = out.finish_reason, out.stop_reason, out.error
+
+    def _check_stop_strings(self, state: RequestState) -> bool:
+        params = state.params
+        delta_len = state.last_delta_chars
+        if not params.stop or not delta_len or len(state.token_ids) < params.min_tokens:
+            return False
+        hit = find_stop(state.text, delta_len, params.stop, params.include_stop_str_in_output)
+        if hit is None:
+            return False
+        state.text, state.stop_reason = hit
+        state.finish_reason = "stop"
+        return True
+
+    def _logprob_dict(self, token_id: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+        entry = {tid: Logprob(lp, rank=i + 1, decoded_token=self._decode_one(tid)) for i, (tid, lp) in enumerate(top)}
+        entry[token_id] = Logprob(logprob, rank=rank, decoded_token=self._decode_one(token_id))
+        return entry
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+    def _finish(self, state: RequestState, now: float) -> None:
+        self.metrics.observe("e2e_request_latency_seconds", now - state.arrival)
+
+    def abort(self, request_id: str) -> None:
+        state = self.states.get(request_id)
+        if state is not None and not state.finished:
+            state.finish_reason = "abort"
+
+    def pop(self, request_id: str) -> RequestState | None:
+        return self.states.pop(request_id, None)
+
+    @staticmethod
+    def completion(state: RequestState, index: int = 0, delta: bool = False) -> CompletionOutput:
+        """The state as a CompletionOutput; with ``delta`` only what was not returned before."""
+        text, tokens = state.text, state.token_ids
+        logprobs = state.logprobs
+        if delta:
+            text, tokens = text[state.sent_text :], tokens[state.sent_tokens :]
+            logprobs = None if logprobs is None else logprobs[state.sent_tokens :]
+            state.sent_text, state.sent_tokens = len(state.text), len(state.token_ids)
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=list(tokens),
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
+        )
+
+    @staticmethod
+    def request_output(request_id: str, states: list[RequestState], delta: bool = False) -> RequestOutput:
+        first = states[0]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[OutputProcessor.completion(s, i, delta) for i, s in enumerate(states)],
+            finished=all(s.finished for s in states),
+            num_cached_tokens=first.num_cached_tokens,
+            weight_version=first.weight_version,
+        )

@@ -1,0 +1,127 @@
+"""A request's life inside the engine core, and what the core reports back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from siesta.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prefix-cache hits (device + tiers) at the request's first scheduling.
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    # Keys of the full blocks of all_token_ids, under hash_extra (see siesta.kv.hashing).
+    block_hashes: list[bytes] = field(default_factory=list)
+    hash_extra: bytes = b""
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+
+class Logprob(msgspec.Struct, omit_defaults=True):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class SampledLogprobs(msgspec.Struct, omit_defaults=True):
+    """The sampled token's logprob and the top-n alternatives at one position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = []
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    """New tokens of one request from one step (or its end)."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: list[SampledLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    weight_version: str = "0"
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class CompletionOutput(msgspec.Struct):
+    """vLLM-shaped: one sampled continuation of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestOutput(msgspec.Struct):
+    """vLLM-shaped: everything produced for one prompt so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    weight_version: str = "0"
