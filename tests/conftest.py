@@ -1,0 +1,57 @@
+"""Shared fixtures: the embedded model, loaded once per session, and its transformers twin."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/prompts.py and friends
+
+# Two cores: keep torch from oversubscribing them in every test process.
+torch.set_num_threads(int(os.environ.get("SIESTA_TEST_THREADS", os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def embedded_source():
+    from siesta.model.loader import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer(embedded_source):
+    return embedded_source.load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def hf_embedded():
+    """transformers' own GGUF loader over the embedded file: an oracle independent of ours."""
+    from transformers import AutoModelForCausalLM
+
+    from siesta.model.loader import default_model_path
+
+    path = Path(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
+    """transformers' greedy continuation of one prompt (batch 1: no padding in the oracle).
+
+    Stops after an EOS token, which it includes, as siesta does.
+    """
+    ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(eos_token_ids),
+            pad_token_id=eos_token_ids[0],
+        )
+    return out[0, len(prompt_ids) :].tolist()
