@@ -1,0 +1,317 @@
+"""Triton paged attention against a dense float64 reference and the torch backend.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set
+before triton is imported). The interpreter computes bf16 ``tl.dot`` wrongly, so
+bf16 is only tested on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+# @triton.jit reads TRITON_INTERPRET when a kernel is defined: modules imported
+# before the flag was set must be loaded again.
+for _name in ("siesta.attention.triton_kv_write", "siesta.attention.triton_attention"):
+    if _name in sys.modules:
+        importlib.reload(sys.modules[_name])
+
+from siesta.attention.base import AttentionMetadata, KVCache  # noqa: E402
+from siesta.attention.torch_ref import TorchAttention, write_kv  # noqa: E402
+from siesta.attention.triton_attention import TritonAttention, choose_num_splits  # noqa: E402
+from siesta.attention.triton_kv_write import write_kv_triton  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+# Relative Frobenius error against float64: fp32 stays exact ("ieee" dots); half
+# types round the softmax weights before the P @ V product.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+NUM_KV_HEADS = 2
+NUM_LAYERS = 2
+LAYER = 1
+# Blocks no request uses, so the shuffled tables are sparse in the cache.
+SPARE_BLOCKS = 5
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_cache: KVCache
+    meta: AttentionMetadata
+    context_k: list[torch.Tensor]  # per request, [seq_len, kv_heads, head_dim]: the truth
+    context_v: list[torch.Tensor]
+    q_lens: list[int]
+    group: int
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.q.shape[-1])
+
+
+def _fused_qkv(num_tokens: int, group: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator):
+    """q, k, v as strided views of one projection output, as a model produces them."""
+    q_width = NUM_KV_HEADS * group * head_dim
+    kv_width = NUM_KV_HEADS * head_dim
+    qkv = torch.randn(num_tokens, q_width + 2 * kv_width, generator=gen).to(dtype).to(DEVICE)
+    q = qkv[:, :q_width].view(num_tokens, NUM_KV_HEADS * group, head_dim)
+    k = qkv[:, q_width : q_width + kv_width].view(num_tokens, NUM_KV_HEADS, head_dim)
+    v = qkv[:, q_width + kv_width :].view(num_tokens, NUM_KV_HEADS, head_dim)
+    return q, k, v
+
+
+def make_batch(
+    specs: list[tuple[int, int]],
+    group: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> Batch:
+    """``specs``: (cached tokens, new tokens) per request. Cached tokens are placed in
+    shuffled blocks beforehand; new tokens' K/V come in ``k``/``v``."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [cached + new for cached, new in specs]
+    blocks_per_req = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_req) + SPARE_BLOCKS
+    kv_cache = KVCache.allocate(num_blocks, NUM_LAYERS, block_size, NUM_KV_HEADS, head_dim, dtype, DEVICE)
+    # Noise everywhere, so a read of a wrong slot shows up in the result.
+    kv_cache.tensor.copy_(torch.randn(kv_cache.tensor.shape, generator=gen).to(dtype))
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.zeros(len(specs), max(blocks_per_req), dtype=torch.int32)
+    k_layer, v_layer = kv_cache.layer(LAYER)
+
+    q_lens = [new for _, new in specs]
+    q, k, v = _fused_qkv(sum(q_lens), group, head_dim, dtype, gen)
+    context_k, context_v, slots = [], [], []
+    token = 0
+    for i, (cached, new) in enumerate(specs):
+        ids = perm[: blocks_per_req[i]]
+        perm = perm[blocks_per_req[i] :]
+        table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        prefix_k = torch.randn(cached, NUM_KV_HEADS, head_dim, generator=gen).to(dtype).to(DEVICE)
+        prefix_v = torch.randn(cached, NUM_KV_HEADS, head_dim, generator=gen).to(dtype).to(DEVICE)
+        for pos in range(cached + new):
+            slot = ids[pos // block_size] * block_size + pos % block_size
+            if pos < cached:
+                k_layer[slot // block_size, slot % block_size] = prefix_k[pos]
+                v_layer[slot // block_size, slot % block_size] = prefix_v[pos]
+            else:
+                slots.append(slot)
+        context_k.append(torch.cat([prefix_k, k[token : token + new]]))
+        context_v.append(torch.cat([prefix_v, v[token : token + new]]))
+        token += new
+
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=table.to(DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    return Batch(q, k, v, kv_cache, meta, context_k, context_v, q_lens, group)
+
+
+def dense_reference(batch: Batch) -> torch.Tensor:
+    """Causal attention per request in float64 over the true contexts."""
+    outs = []
+    start = 0
+    for i, q_len in enumerate(batch.q_lens):
+        q = batch.q[start : start + q_len].double()
+        ctx_k = batch.context_k[i].double().repeat_interleave(batch.group, dim=1)
+        ctx_v = batch.context_v[i].double().repeat_interleave(batch.group, dim=1)
+        seq_len = ctx_k.shape[0]
+        scores = torch.einsum("qhd,khd->hqk", q, ctx_k) * batch.scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, ctx_v))
+        start += q_len
+    return torch.cat(outs)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def poisoned_like(q: torch.Tensor) -> torch.Tensor:
+    return torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+
+
+def check_against_oracles(batch: Batch, backend: TritonAttention, out: torch.Tensor) -> None:
+    """Every element written, close to float64, close to TorchAttention; same cache as torch's write."""
+    dtype = batch.q.dtype
+    assert not out.isnan().any(), "some output elements were never written"
+    assert rel_error(out, dense_reference(batch)) < TOLERANCE[dtype]
+
+    torch_cache = KVCache(batch.kv_cache.tensor.clone())
+    torch_out = TorchAttention().forward(batch.q, batch.k, batch.v, torch_cache, LAYER, batch.meta, batch.scale)
+    assert rel_error(out, torch_out) < TOLERANCE[dtype]
+    assert torch.equal(torch_cache.tensor, batch.kv_cache.tensor)
+
+
+def random_specs(rng: random.Random, block_size: int) -> list[tuple[int, int]]:
+    """Decode rows, fresh prefills and prefix chunks in a shuffled order."""
+    specs = [(rng.randint(0, 4 * block_size + 3), 1) for _ in range(rng.randint(1, 3))]
+    specs += [(0, rng.randint(2, 3 * block_size + 5)) for _ in range(rng.randint(1, 2))]
+    specs += [(rng.randint(1, 5 * block_size), rng.randint(2, 2 * block_size + 7)) for _ in range(rng.randint(1, 2))]
+    rng.shuffle(specs)
+    return specs
+
+
+MIXED_CASES = [
+    # block_size, head_dim, group, dtype
+    (16, 64, 1, torch.float32),
+    (32, 128, 2, torch.float16),
+    (16, 128, 4, torch.float32),
+    (32, 64, 4, torch.float16),
+    (16, 96, 2, torch.float32),  # head_dim not a power of two
+    (16, 64, 3, torch.float16),  # group not a power of two
+    (32, 256, 2, torch.float16),
+]
+if ON_GPU:
+    MIXED_CASES += [(16, 128, 4, torch.bfloat16), (32, 64, 8, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("block_size,head_dim,group,dtype", MIXED_CASES)
+def test_mixed_batch(block_size: int, head_dim: int, group: int, dtype: torch.dtype) -> None:
+    seed = MIXED_CASES.index((block_size, head_dim, group, dtype))
+    specs = random_specs(random.Random(seed), block_size)
+    batch = make_batch(specs, group, head_dim, block_size, dtype, seed)
+    backend = TritonAttention()
+    out = poisoned_like(batch.q)
+    result = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale, out=out)
+    assert result is out
+    check_against_oracles(batch, backend, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mixed_batch_with_split_decode_rows(dtype: torch.dtype) -> None:
+    """Decode rows of a mixed batch taken out of the unified launch into split-KV."""
+    specs = [(200, 1), (0, 37), (3, 1), (90, 20), (0, 1)]
+    batch = make_batch(specs, group=4, head_dim=128, block_size=16, dtype=dtype, seed=12)
+    backend = TritonAttention(decode_splits=4, mixed_decode_min_splits=1)
+    out = poisoned_like(batch.q)
+    backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale, out=out)
+    check_against_oracles(batch, backend, out)
+
+
+def test_prefill_spans_many_tiles() -> None:
+    """Long enough for several query tiles and unmasked key tiles before the diagonal."""
+    specs = [(150, 140), (0, 130), (3, 1)]
+    batch = make_batch(specs, group=1, head_dim=64, block_size=16, dtype=torch.float32, seed=7)
+    out = poisoned_like(batch.q)
+    TritonAttention().forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale, out=out)
+    check_against_oracles(batch, TritonAttention(), out)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 8, None])
+@pytest.mark.parametrize("block_size,head_dim,group,dtype", [(16, 128, 4, torch.float16), (32, 64, 2, torch.float32)])
+def test_decode_split_kv(
+    num_splits: int | None, block_size: int, head_dim: int, group: int, dtype: torch.dtype
+) -> None:
+    rng = random.Random(num_splits or 0)
+    # Short contexts next to long ones: with 8 splits some ranges are empty.
+    specs = [(rng.randint(0, 300), 1) for _ in range(3)] + [(0, 1), (5, 1)]
+    batch = make_batch(specs, group, head_dim, block_size, dtype, seed=11)
+    backend = TritonAttention(decode_splits=num_splits)
+    out = poisoned_like(batch.q)
+    backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale, out=out)
+    check_against_oracles(batch, backend, out)
+
+
+def test_unified_kernel_serves_decode_only_batch() -> None:
+    specs = [(40, 1), (0, 1), (77, 1)]
+    batch = make_batch(specs, group=2, head_dim=64, block_size=16, dtype=torch.float32, seed=3)
+    backend = TritonAttention()
+    k_cache, v_cache = batch.kv_cache.layer(LAYER)
+    write_kv_triton(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
+    out = poisoned_like(batch.q)
+    backend.unified(batch.q, k_cache, v_cache, batch.meta, batch.scale, out)
+    check_against_oracles(batch, backend, out)
+
+
+def test_sdpa_prefill_path_matches_reference() -> None:
+    specs = [(0, 40), (0, 33)]
+    batch = make_batch(specs, group=4, head_dim=64, block_size=16, dtype=torch.float32, seed=5)
+    out = poisoned_like(batch.q)
+    TritonAttention().sdpa_prefill(batch.q, batch.k, batch.v, batch.meta, batch.scale, out)
+    assert not out.isnan().any()
+    assert rel_error(out, dense_reference(batch)) < TOLERANCE[torch.float32]
+
+
+def test_sdpa_routing_policy() -> None:
+    fresh = make_batch([(0, 40), (0, 33)], 2, 64, 16, torch.float32, seed=1)
+    chunked = make_batch([(10, 40)], 2, 64, 16, torch.float32, seed=2)
+    backend = TritonAttention(sdpa_prefill_min_tokens=32)
+    assert backend.uses_sdpa(fresh.q, fresh.meta) == ON_GPU
+    assert not backend.uses_sdpa(chunked.q, chunked.meta)
+    assert not TritonAttention(sdpa_prefill_min_tokens=None).uses_sdpa(fresh.q, fresh.meta)
+    assert not TritonAttention(sdpa_prefill_min_tokens=34).uses_sdpa(fresh.q, fresh.meta)
+
+
+def test_write_kv_matches_torch_reference() -> None:
+    specs = [(0, 21), (13, 5), (40, 1)]
+    batch = make_batch(specs, group=1, head_dim=96, block_size=32, dtype=torch.float16, seed=9)
+    expected = KVCache(batch.kv_cache.tensor.clone())
+    write_kv(batch.k, batch.v, expected, LAYER, batch.meta.slot_mapping)
+    k_cache, v_cache = batch.kv_cache.layer(LAYER)
+    write_kv_triton(batch.k, batch.v, k_cache, v_cache, batch.meta.slot_mapping)
+    assert torch.equal(expected.tensor, batch.kv_cache.tensor)
+
+
+def test_write_kv_skips_negative_slots() -> None:
+    batch = make_batch([(0, 6)], group=1, head_dim=64, block_size=16, dtype=torch.float32, seed=4)
+    before = batch.kv_cache.tensor.clone()
+    slots = batch.meta.slot_mapping.clone()
+    slots[::2] = -1
+    k_cache, v_cache = batch.kv_cache.layer(LAYER)
+    write_kv_triton(batch.k, batch.v, k_cache, v_cache, slots)
+    expected = KVCache(before)
+    kept = slots >= 0
+    write_kv(batch.k[kept], batch.v[kept], expected, LAYER, slots[kept])
+    assert torch.equal(expected.tensor, batch.kv_cache.tensor)
+
+
+def test_rejects_unsupported_shapes() -> None:
+    batch = make_batch([(0, 4)], group=1, head_dim=64, block_size=16, dtype=torch.float32, seed=6)
+    backend = TritonAttention()
+    uneven_q = torch.randn(4, 3, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="query heads"):
+        backend.forward(uneven_q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale)
+    big = make_batch([(0, 2)], group=1, head_dim=512, block_size=16, dtype=torch.float32, seed=6)
+    with pytest.raises(ValueError, match="head_dim"):
+        backend.forward(big.q, big.k, big.v, big.kv_cache, LAYER, big.meta, big.scale)
+
+
+def test_split_heuristic() -> None:
+    sms = 132
+    # One long sequence: split until the GPU is full.
+    assert choose_num_splits(1, 8, 32768, sms) == 64
+    # Short context: never below the minimum keys per split.
+    assert choose_num_splits(1, 8, 512, sms) == 2
+    # A big batch fills the GPU by itself.
+    assert choose_num_splits(256, 8, 32768, sms) == 1
+    for batch in (1, 3, 16, 64):
+        splits = choose_num_splits(batch, 8, 8192, sms)
+        assert splits & (splits - 1) == 0
