@@ -47,6 +47,8 @@ class Request:
     # Keys of the full blocks of all_token_ids, under hash_extra (see siesta.kv.hashing).
     block_hashes: list[bytes] = field(default_factory=list)
     hash_extra: bytes = b""
+    # Its device KV spans a weight update: nothing it computes may be cached under a key.
+    kv_mixes_versions: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

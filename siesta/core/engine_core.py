@@ -8,10 +8,12 @@ the server drives it in its own process (``siesta.ipc``).
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 
 from siesta.config import ConfigError, EngineConfig
+from siesta.core.device_memory import SleepableMemory
 from siesta.core.model_runner import ModelRunner
 from siesta.core.scheduler import Scheduler
 from siesta.kv.hashing import ExtraKeys
@@ -19,6 +21,8 @@ from siesta.kv.kv_manager import KVManager, cdiv
 from siesta.metrics import EngineStats, StatsSnapshot
 from siesta.model.loader import ModelSource, resolve_model
 from siesta.request import EngineCoreOutput, Request
+from siesta.tiers.base import ConnectorContext, KVConnector
+from siesta.tiers.factory import create_connector
 from siesta.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,6 +45,24 @@ class RequestRejected(ValueError):
     """A request that can never run here; the message says why. Nothing else is affected."""
 
 
+class ConnectorRetentionError(ValueError):
+    """``clear_connector_cache=False`` with a connector that cannot keep its cache across a pause."""
+
+
+class EngineStateError(RuntimeError):
+    """A control call that does not fit the engine's state (e.g. resume while asleep)."""
+
+
+PAUSE_MODES = ("abort", "wait", "keep")
+SLEEP_LEVELS = (0, 1, 2)
+WAKE_TAGS = ("weights", "kv_cache")
+
+
+def next_weight_version(current: str) -> str:
+    """The version after ``current``: integers count up, anything else gets a suffix."""
+    return str(int(current) + 1) if current.isdigit() else f"{current}+1"
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         self.config = config
@@ -54,7 +76,37 @@ class EngineCore:
         self.kv = KVManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.stats)
         self.eos_token_ids = frozenset(self.source.eos_token_ids)
+        self.connector = self._make_connector()
+        self.scheduler.connector = self.connector
+        self.runner.connector = self.connector
+        self.memory = SleepableMemory(
+            list(self.runner.model.parameters()), self.runner.kv_cache.tensor, self.runner.device
+        )
         self._pending: list[EngineCoreOutput] = []
+        # Pause and sleep state. Requests that arrive while paused wait here until resume.
+        self._held: list[EngineCoreRequest] = []
+        self._pause_mode: str | None = None  # set while paused or pausing
+        self._pause_done = False
+        self._pause_resets: tuple[bool, bool] = (False, False)  # (prefix cache, connector) to clear once paused
+        self._sleep_level: int | None = None
+        self._weights_valid = True
+        self._record_weight_version()
+
+    def _make_connector(self) -> KVConnector | None:
+        if self.config.kv_transfer is None:
+            return None
+        kv = self.runner.kv_cache
+        ctx = ConnectorContext(
+            block_size=self.config.cache.block_size,
+            block_shape=tuple(kv.tensor.shape[1:]),
+            dtype=kv.tensor.dtype,
+            device=self.runner.device,
+            model_fingerprint=self.source.fingerprint,
+            weight_version=self.weight_version,
+            stats=self.stats,
+            pool=self.kv.pool,
+        )
+        return create_connector(self.config.kv_transfer, ctx)
 
     def _max_model_len(self) -> int:
         limit = self.source.hf_config.max_position_embeddings
@@ -70,6 +122,12 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         """Validate and queue; raises RequestRejected (naming the problem) and changes nothing on failure."""
         self._validate(req)
+        if self._pause_mode is not None:
+            self._held.append(req)
+            return
+        self._queue(req)
+
+    def _queue(self, req: EngineCoreRequest) -> None:
         request = Request(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
@@ -85,7 +143,7 @@ class EngineCore:
 
     def _validate(self, req: EngineCoreRequest) -> None:
         n = len(req.prompt_token_ids)
-        if req.request_id in self.scheduler.requests:
+        if req.request_id in self.scheduler.requests or any(h.request_id == req.request_id for h in self._held):
             raise RequestRejected(f"request id {req.request_id!r} is already in use")
         if n == 0:
             raise RequestRejected("the prompt is empty: at least one token is needed")
@@ -109,16 +167,56 @@ class EngineCore:
             )
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        ids = set(request_ids)
+        held = [h for h in self._held if h.request_id in ids]
+        self._held = [h for h in self._held if h.request_id not in ids]
+        self._pending.extend(
+            EngineCoreOutput(request_id=h.request_id, finish_reason="abort", weight_version=self.weight_version)
+            for h in held
+        )
         self._pending.extend(self.scheduler.abort_requests(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._held)
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything: outputs to hand out, requests it may schedule,
+        tier transfers to finish."""
+        if self._pending or self._connector_busy():
+            return True
+        if self._pause_mode in ("abort", "keep") or self._sleep_level is not None:
+            return False
+        return self.scheduler.has_unfinished()
 
     # -- the step loop -----------------------------------------------------------------
 
+    def _connector_busy(self) -> bool:
+        return self.connector is not None and not self.memory.kv_released and self.connector.has_pending_work()
+
     def step(self) -> EngineCoreOutputs:
         outputs, self._pending = self._pending, []
+        if self._scheduling_allowed():
+            outputs.extend(self._run_one_step())
+        elif self._connector_busy():
+            self.connector.wait_for_stores(self.runner.kv_cache)
+        if self._pause_mode == "wait" and not self._pause_done and not self.scheduler.has_unfinished():
+            self._complete_pause()
+        return EngineCoreOutputs(outputs=outputs, stats=self.stats.drain())
+
+    def _scheduling_allowed(self) -> bool:
+        # Awake and unpaused, or draining in-flight requests for a pause (or sleep) in "wait" mode.
+        if self._pause_mode is None:
+            return True
+        return self._pause_mode == "wait" and not self._pause_done
+
+    def _run_one_step(self) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
         sched = self.scheduler.schedule()
+        if sched.is_empty and sched.transfers:
+            # Nothing to compute, but the last forward's blocks still go to the tiers.
+            self.connector.run_stores(sched.transfers, self.runner.kv_cache)
+        elif self.connector is not None and sched.is_empty:
+            self.connector.poll()
         if not sched.is_empty:
             try:
                 samples = self.runner.execute(sched)
@@ -128,11 +226,198 @@ class EngineCore:
                 outputs.extend(self.scheduler.fail_requests(ids, f"{type(e).__name__}: {e}"))
             else:
                 outputs.extend(self.scheduler.update(sched, samples, self.weight_version))
-        return EngineCoreOutputs(outputs=outputs, stats=self.stats.drain())
+        return outputs
 
     def drain_stats(self) -> StatsSnapshot:
         return self.stats.drain()
 
-    def reset_prefix_cache(self) -> bool:
+    # -- pause / resume ----------------------------------------------------------------
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True, clear_connector_cache: bool = True) -> None:
+        """Stop generating. ``abort`` ends in-flight requests, ``wait`` lets them finish first,
+        ``keep`` freezes them until ``resume``. Requests added while paused wait for ``resume``.
+
+        ``clear_cache`` drops the device prefix cache (preempting frozen requests, which then
+        recompute or load their KV on resume); ``clear_connector_cache`` drops the KV tiers.
+        Keeping the tiers is refused up front, with the engine untouched, by a connector that
+        cannot keep them.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self.check_connector_retention(clear_connector_cache)
+        if self._pause_mode is not None:
+            raise EngineStateError(f"the engine is already paused (mode {self._pause_mode!r}); resume() first")
+        self._pause_mode, self._pause_done = mode, False
+        self._pause_resets = (clear_cache, clear_connector_cache)
+        if mode == "abort":
+            self.abort_requests(list(self.scheduler.requests))
+        if mode != "wait" or not self.scheduler.has_unfinished():
+            self._complete_pause()
+
+    def _complete_pause(self) -> None:
+        clear_cache, clear_connector = self._pause_resets
+        self._reset_caches(clear_cache, clear_connector)
+        self._pause_done = True
+        self.stats.inc("pauses", mode=self._pause_mode)
+        if self._sleep_level is not None:
+            self._release_memory()  # a sleep in "wait" mode, now drained
+
+    def _reset_caches(self, reset_prefix: bool, reset_connector: bool) -> None:
+        if reset_prefix:
+            self.reset_prefix_cache(reset_running_requests=True)
+        if reset_connector and self.connector is not None:
+            self.connector.reset_cache()
+
+    def check_connector_retention(self, clear_connector_cache: bool) -> None:
+        """Refuse, before any state changes, to keep a tier the connector cannot keep."""
+        if clear_connector_cache or self.connector is None:
+            return
+        if not self.connector.supports_retained_cache_on_pause:
+            raise ConnectorRetentionError(self.connector.retention_refusal())
+
+    def is_paused(self) -> bool:
+        return self._pause_mode is not None and self._pause_done
+
+    def resume(self) -> None:
+        if self._sleep_level is not None:
+            raise EngineStateError("the engine is asleep: wake_up() resumes it")
+        if self._pause_mode is None:
+            return
+        self._pause_mode, self._pause_done = None, False
+        held, self._held = self._held, []
+        for req in held:
+            self._queue(req)
+
+    # -- sleep / wake ------------------------------------------------------------------
+
+    def sleep(self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True) -> None:
+        """Pause, then hand device memory back: level 1 keeps the weights in host memory and
+        releases the KV cache, level 2 releases both, level 0 only pauses.
+
+        With ``mode="wait"`` the memory is released once in-flight requests finish; poll
+        ``is_sleeping()``.
+        """
+        if level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self.check_connector_retention(clear_connector_cache)
+        if self._sleep_level is not None:
+            raise EngineStateError(f"the engine is already asleep (level {self._sleep_level}); wake_up() first")
+        if self._pause_mode is None:
+            # Level >= 1 gives the KV memory away, so the device prefix cache cannot survive it.
+            self.pause(mode, clear_cache=level >= 1, clear_connector_cache=clear_connector_cache)
+        elif level >= 1 or clear_connector_cache:
+            self._reset_caches(level >= 1, clear_connector_cache)
+        self._sleep_level = level
+        if self.is_paused():
+            self._release_memory()
+
+    def _release_memory(self) -> None:
+        level = self._sleep_level
+        t0 = time.perf_counter()
+        released = 0
+        if level >= 1:
+            if self.connector is not None:
+                self.connector.wait_for_stores(self.runner.kv_cache)  # nothing may read the cache once it is gone
+            released += self.memory.release_kv_cache().bytes
+            released += self.memory.release_weights(backup=level == 1).bytes
+            if level == 2:
+                self._weights_valid = False
+        self.stats.inc("sleeps", level=str(level))
+        self.stats.inc("sleep_seconds", time.perf_counter() - t0)
+        self.stats.set("device_bytes_released", released)
+        logger.info("asleep at level %d: released %.2f GiB in %.2fs", level, released / 2**30, time.perf_counter() - t0)
+
+    def is_sleeping(self) -> bool:
+        return self._sleep_level is not None
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore device memory; ``tags`` picks ``weights`` and/or ``kv_cache`` (default both).
+
+        Once both are back the engine resumes. Weights released at level 2 must be
+        written (update_weights) before that, or they are reloaded from the model source.
+        """
+        tags = list(WAKE_TAGS) if tags is None else list(tags)
+        unknown = sorted(set(tags) - set(WAKE_TAGS))
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {unknown}: expected any of {', '.join(WAKE_TAGS)}")
+        if self._sleep_level is None:
+            return
+        t0 = time.perf_counter()
+        if "weights" in tags:
+            self.memory.restore_weights()
+        if "kv_cache" in tags:
+            self.memory.restore_kv_cache()
+        self.stats.inc("wake_seconds", time.perf_counter() - t0)
+        if self.memory.weights_released or self.memory.kv_released:
+            return  # a staged wake: the rest comes with a later call
+        if not self._weights_valid:
+            self.reload_weights()
+        self._sleep_level = None
+        self.stats.inc("wakes")
+        self.resume()
+
+    # -- weights ---------------------------------------------------------------------
+
+    def update_weights(self, weights, weight_version: str | None = None) -> str:
+        """Load new weights in place: (name, tensor) pairs with Hugging Face names, or a model path.
+
+        The weight version advances unless the caller names one; naming the current version
+        keeps every cached entry (the weights are declared unchanged). Returns the version.
+        """
+        if self.memory.weights_released:
+            raise EngineStateError("the weights are released: wake_up(tags=['weights']) before update_weights")
+        if isinstance(weights, str):
+            weights = resolve_model(weights).iter_weights(self.runner.dtype, self.runner.device)
+        self.runner.load_weights(self.runner.model, weights)
+        self._weights_valid = True
+        version = next_weight_version(self.weight_version) if weight_version is None else str(weight_version)
+        self._set_weight_version(version)
+        self.stats.inc("weight_updates")
+        return version
+
+    def reload_weights(self) -> None:
+        """Re-read the weights of the model source (after a level-2 sleep with no update)."""
+        self.runner.load_weights(
+            self.runner.model, self.source.iter_weights(self.runner.dtype, self.runner.device), complete=True
+        )
+        self._weights_valid = True
+
+    def finish_weight_update(self) -> None:
+        """Evict what other weight versions computed, on the device and in every tier."""
         self.kv.reset_prefix_cache()
+        if self.connector is not None:
+            self.connector.evict_other_versions(self.weight_version)
+
+    def _set_weight_version(self, version: str) -> None:
+        if version == self.weight_version:
+            return
+        self.stats.set("weight_version_info", 0.0, version=self.weight_version)
+        self.weight_version = version
+        self._record_weight_version()
+        if self.connector is not None:
+            self.connector.set_weight_version(version)
+        # Requests re-key their blocks under the new version when next scheduled. One that keeps
+        # KV the old weights computed must not publish blocks built on it until it recomputes.
+        for request in self.scheduler.requests.values():
+            request.hash_extra = self._hash_extra(request.cache_salt)
+            request.block_hashes.clear()
+            request.kv_mixes_versions = request.num_computed_tokens > 0
+
+    def _record_weight_version(self) -> None:
+        self.stats.set("weight_version_info", 1.0, version=self.weight_version)
+        if self.weight_version.isdigit():
+            self.stats.set("weight_version", float(self.weight_version))
+
+    # -- caches ----------------------------------------------------------------------
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Drop the device prefix cache; with ``reset_running_requests`` running requests are
+        preempted first (they recompute, or load from a tier, when scheduled again)."""
+        if reset_running_requests:
+            self.scheduler.preempt_all_running()
+        self.kv.reset_prefix_cache()
+        if reset_connector and self.connector is not None:
+            self.connector.reset_cache()
         return True

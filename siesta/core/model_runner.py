@@ -13,11 +13,12 @@ import torch
 
 from siesta.attention.base import AttentionMetadata, KVCache, get_attention_backend
 from siesta.config import EngineConfig, resolve_dtype
-from siesta.core.sampler import SampleResult, Sampler, SamplingRow
+from siesta.core.sampler import SampleResult, Sampler, SamplingRow, make_generator
 from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.model.llama import CausalLM
 from siesta.model.loader import ModelSource
 from siesta.request import Request
+from siesta.tiers.base import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class ModelRunner:
         self.model = self._build_model(source)
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler(seed=config.model.seed, device=self.device)
+        self.connector: KVConnector | None = None  # set by the engine core when tiers are configured
 
     # -- setup -----------------------------------------------------------------------
 
@@ -129,6 +131,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> dict[str, SampleResult]:
         if sched.is_empty:
             return {}
+        if sched.transfers:
+            # Stores first: they read blocks the previous forward filled, on their own stream.
+            self.connector.run_stores(sched.transfers, self.kv_cache)
+            self.connector.run_loads(sched.transfers, self.kv_cache)
         inputs = self._prepare(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         if not inputs.sampled:
@@ -182,8 +188,7 @@ class ModelRunner:
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params
         if params.seed is not None and request.generator is None:
-            request.generator = torch.Generator(device=self.device)
-            request.generator.manual_seed(params.seed)
+            request.generator = make_generator(params.seed, self.device)
         banned: list[int] = []
         if request.num_output_tokens < params.min_tokens:
             banned.extend(params.stop_token_ids or ())

@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from siesta.config import SchedulerConfig
 from siesta.core.sampler import SampleResult
-from siesta.kv.kv_manager import KVManager, cdiv
+from siesta.kv.kv_manager import KVManager
 from siesta.metrics import EngineStats
 from siesta.request import EngineCoreOutput, Request, RequestStatus, SampledLogprobs
+from siesta.tiers.base import KVConnector, StepTransfers
 
 
 @dataclass
@@ -36,7 +36,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Requests that left since the previous step (finished, aborted): state to drop downstream.
     finished_req_ids: set[str] = field(default_factory=set)
-    connector_meta: Any = None
+    transfers: StepTransfers | None = None  # the KV connector's loads and stores for this step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -56,8 +56,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.admit_new = True  # False while pausing in "wait" mode
+        self.connector: KVConnector | None = None
         self._finished_ids: set[str] = set()
+        # Preempted outside schedule() (e.g. by a pause); reported by the next schedule().
+        self._preempted_ids: set[str] = set()
 
     # -- requests in and out ---------------------------------------------------------
 
@@ -93,12 +95,15 @@ class Scheduler:
     # -- one step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_ids)
-        self._finished_ids = set()
+        out = SchedulerOutput(finished_req_ids=self._finished_ids, preempted_req_ids=self._preempted_ids)
+        self._finished_ids, self._preempted_ids = set(), set()
+        preempted_before = len(out.preempted_req_ids)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
-        if not out.preempted_req_ids and self.admit_new:
+        if len(out.preempted_req_ids) == preempted_before:
             self._schedule_waiting(out, budget)
+        if self.connector is not None:
+            out.transfers = self.connector.build_step(out)
         self._record_gauges()
         return out
 
@@ -122,25 +127,30 @@ class Scheduler:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
-            num_new = request.num_tokens - num_cached
+            num_external = self.connector.get_num_new_matched_tokens(request, num_cached) if self.connector else 0
+            num_new = request.num_tokens - num_cached - num_external
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self.kv.allocate(request, num_cached + num_new, cached) is None:
+            if self.kv.allocate(request, num_cached + num_external + num_new, cached) is None:
                 break
             self.waiting.popleft()
-            self._admit(request, num_cached)
+            self._admit(request, num_cached, num_external)
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    request, self.kv.block_ids(request.request_id), num_cached, num_external
+                )
             self._commit(request, num_new, out)
             budget -= num_new
 
-    def _admit(self, request: Request, num_cached: int) -> None:
+    def _admit(self, request: Request, num_cached: int, num_external: int) -> None:
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_cached
+            request.num_cached_tokens = num_cached + num_external
             self.stats.inc("prompt_tokens", request.num_prompt_tokens)
         self.stats.inc("prefix_cache_queries", request.num_tokens)
         self.stats.inc("prefix_cache_hits", num_cached)
-        request.num_computed_tokens = num_cached
+        request.num_computed_tokens = num_cached + num_external
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -161,17 +171,22 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.kv_mixes_versions = False  # it recomputes from scratch
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted_req_ids.add(request.request_id)
         self.stats.inc("num_preemptions")
 
     def preempt_all_running(self) -> set[str]:
-        """Free every running request's blocks; they resume (recompute or load) when scheduled again."""
-        out = SchedulerOutput()
+        """Free every running request's blocks; they resume (recompute or load) when scheduled again.
+
+        The next ``schedule()`` reports them as preempted, possibly in the same step that
+        resumes them.
+        """
+        out = SchedulerOutput(preempted_req_ids=self._preempted_ids)
         while self.running:
             self._preempt(self.running.pop(), out)
-        return out.preempted_req_ids
+        return set(out.preempted_req_ids)
 
     # -- after the step ----------------------------------------------------------------
 
@@ -237,9 +252,6 @@ class Scheduler:
         self.stats.set("num_requests_running", len(self.running))
         self.stats.set("num_requests_waiting", len(self.waiting))
         self.stats.set("kv_cache_usage_perc", self.kv.pool.usage)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.kv.block_size)
 
 
 def _logprobs(sample: SampleResult) -> list[SampledLogprobs] | None:

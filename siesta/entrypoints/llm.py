@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from siesta.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
-from siesta.core.engine_core import EngineCore, EngineCoreRequest
+from siesta.core.engine_core import EngineCore, EngineCoreRequest, EngineStateError
 from siesta.metrics import MetricsRegistry
-from siesta.output_processor import OutputProcessor, RequestState
+from siesta.output_processor import OutputProcessor
 from siesta.request import RequestOutput
 from siesta.sampling import SamplingParams
 from siesta.tokenizer import chat_to_ids, encode
@@ -66,6 +67,15 @@ class LLM:
         self.metrics = MetricsRegistry()
         self.processor = OutputProcessor(self.tokenizer, self.metrics)
         self._ids = itertools.count()
+        # Requests not yet handed back: parent id -> child ids (n > 1), and the reverse.
+        self._children: dict[str, list[str]] = {}
+        self._parent_of: dict[str, str] = {}
+        self._done: set[str] = set()  # finished children
+        self._unreported: set[str] = set()  # parents that progressed since the last step()
+
+    def _require_running(self) -> None:
+        if self.engine.is_sleeping() or self.engine.is_paused():
+            raise EngineStateError("the engine is paused or asleep: resume() or wake_up() first")
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -80,8 +90,9 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
-        groups = [self._add(p, sp) for p, sp in zip(prompt_list, params)]
-        return self._run(groups, use_tqdm)
+        self._require_running()
+        parents = [self._add(p, sp) for p, sp in zip(prompt_list, params)]
+        return self._run(parents, use_tqdm)
 
     def chat(
         self,
@@ -98,7 +109,11 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> tuple[str, list[str]]:
+    def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> str:
+        """Queue one prompt without waiting for it; ``step()`` drives it. Returns its request id."""
+        return self._add(prompt, sampling_params or SamplingParams())
+
+    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
         text, token_ids, cache_salt = self._tokenize(prompt)
         parent = str(next(self._ids))
         children = [parent] if params.n == 1 else [f"{parent}-{i}" for i in range(params.n)]
@@ -114,7 +129,9 @@ class LLM:
             for rid in added:
                 self.processor.pop(rid)
             raise
-        return parent, children
+        self._children[parent] = children
+        self._parent_of.update((c, parent) for c in children)
+        return parent
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         if isinstance(prompt, str):
@@ -135,34 +152,118 @@ class LLM:
             raise ValueError("this model has no tokenizer: pass token-id prompts or tokenizer=")
         return self.tokenizer
 
-    def _run(self, groups: list[tuple[str, list[str]]], use_tqdm: bool) -> list[RequestOutput]:
-        parent_of = {child: parent for parent, children in groups for child in children}
-        left = {parent: len(children) for parent, children in groups}
-        done: dict[str, RequestState] = {}
+    def _run(self, parents: list[str], use_tqdm: bool) -> list[RequestOutput]:
         try:
-            with tqdm(total=len(groups), desc="Processed prompts", disable=not use_tqdm) as bar:
-                while len(done) < len(parent_of):
-                    for state in self._step():
-                        if state.finished and state.request_id in parent_of and state.request_id not in done:
-                            done[state.request_id] = self.processor.pop(state.request_id)
-                            left[parent_of[state.request_id]] -= 1
-                            bar.update(left[parent_of[state.request_id]] == 0)
+            with tqdm(total=len(parents), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while not all(self._group_finished(p) for p in parents):
+                    if not self.engine.has_work():
+                        raise EngineStateError("the engine is paused or asleep: resume() or wake_up() first")
+                    self._drive_once()
+                    bar.update(sum(map(self._group_finished, parents)) - bar.n)
         except BaseException:
-            unfinished = [rid for rid in parent_of if rid not in done]
-            self.engine.abort_requests(unfinished)
-            self.engine.step()
-            for rid in unfinished:
-                self.processor.pop(rid)
+            self.abort([p for p in parents if p in self._children])
             raise
-        return [OutputProcessor.request_output(parent, [done[c] for c in children]) for parent, children in groups]
+        return [self._collect(p) for p in parents]
 
-    def _step(self) -> list[RequestState]:
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests (from ``add_request``) that progressed,
+        finished ones for the last time."""
+        self._drive_once()
+        outputs = []
+        for parent in sorted(self._unreported, key=int):
+            if self._group_finished(parent):
+                outputs.append(self._collect(parent))
+            else:
+                states = [self.processor.states[c] for c in self._children[parent]]
+                outputs.append(OutputProcessor.request_output(parent, states))
+        self._unreported.clear()
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._children)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (ids from ``add_request``); their blocks are freed at once."""
+        for parent in request_ids:
+            children = self._children.pop(parent, [])
+            self.engine.abort_requests(children)
+            for child in children:
+                self.processor.pop(child)
+                self._parent_of.pop(child, None)
+                self._done.discard(child)
+            self._unreported.discard(parent)
+        self._drive_once()  # hand the aborts' outputs and stats through
+
+    def _drive_once(self) -> None:
         out = self.engine.step()
         self.metrics.apply(out.stats)
         changed, to_abort = self.processor.process(out.outputs)
         if to_abort:
             self.engine.abort_requests(to_abort)
-        return changed
+        for state in changed:
+            parent = self._parent_of.get(state.request_id)
+            if parent is None:
+                continue
+            self._unreported.add(parent)
+            if state.finished:
+                self._done.add(state.request_id)
+
+    def _group_finished(self, parent: str) -> bool:
+        return all(c in self._done for c in self._children[parent])
+
+    def _collect(self, parent: str) -> RequestOutput:
+        children = self._children.pop(parent)
+        states = [self.processor.pop(c) for c in children]
+        for c in children:
+            self._parent_of.pop(c, None)
+            self._done.discard(c)
+        self._unreported.discard(parent)
+        return OutputProcessor.request_output(parent, states)
+
+    # -- pause, sleep, weights ---------------------------------------------------------
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True, clear_connector_cache: bool = True) -> None:
+        """Stop generating (see ``EngineCore.pause``); with ``mode="wait"`` returns once in-flight requests end."""
+        self.engine.pause(mode, clear_cache, clear_connector_cache)
+        self._drain()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def is_paused(self) -> bool:
+        return self.engine.is_paused()
+
+    def sleep(self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True) -> None:
+        """Pause and hand device memory back (see ``EngineCore.sleep``)."""
+        self.engine.sleep(level, mode, clear_connector_cache)
+        self._drain()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | str, weight_version: str | None = None) -> str:
+        """Write new weights in place (Hugging Face names, e.g. a trainer's ``state_dict().items()``,
+        or a model path); returns the new weight version."""
+        return self.engine.update_weights(weights, weight_version)
+
+    def finish_weight_update(self) -> None:
+        self.engine.finish_weight_update()
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    def _drain(self) -> None:
+        # A "wait" pause completes once in-flight requests finish; their outputs stay for step().
+        while not self.engine.is_paused():
+            self._drive_once()
+        self._drive_once()  # hand aborted requests' outputs and the pause's stats through
 
     # -- observability -----------------------------------------------------------------
 

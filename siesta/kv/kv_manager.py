@@ -66,7 +66,7 @@ class KVManager:
         return new_blocks
 
     def _publish_full_blocks(self, request: Request, num_tokens_after: int) -> None:
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.kv_mixes_versions:
             return
         self.update_hashes(request)
         blocks = self._blocks[request.request_id]

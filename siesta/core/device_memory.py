@@ -1,0 +1,117 @@
+"""Sleep for device memory: release the weights' and the KV cache's storage, restore it later.
+
+Tensors keep their identity (parameters stay registered, views stay views) and
+only their storage is released, so nothing above this module needs rebuilding.
+Level 1 backs the weights up to host memory first (pinned on CUDA, for DMA at
+link speed); level 2 releases them without a backup.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MemoryReport:
+    """What one release or restore moved."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _unique_storages(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
+    seen: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen.setdefault(storage.data_ptr(), storage)
+    return list(seen.values())
+
+
+class SleepableMemory:
+    def __init__(self, weights: list[torch.Tensor], kv_cache: torch.Tensor, device: torch.device) -> None:
+        self.device = device
+        self._weights = _unique_storages(weights)
+        self._weight_sizes = [s.nbytes() for s in self._weights]
+        self._kv = kv_cache.untyped_storage()
+        self._kv_size = self._kv.nbytes()
+        self._backup: list[torch.UntypedStorage] | None = None
+        self.weights_released = False
+        self.kv_released = False
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self._weight_sizes)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self._kv_size
+
+    def release_weights(self, backup: bool) -> MemoryReport:
+        if self.weights_released:
+            return MemoryReport()
+        t0 = time.perf_counter()
+        if backup:
+            self._backup = [self._host_copy(s) for s in self._weights]
+            self._sync()
+        for storage in self._weights:
+            storage.resize_(0)
+        self.weights_released = True
+        self._return_to_device()
+        return MemoryReport(self.weight_bytes, time.perf_counter() - t0)
+
+    def restore_weights(self) -> tuple[MemoryReport, bool]:
+        """Re-allocate weight storage; returns whether its contents were restored from a backup."""
+        if not self.weights_released:
+            return MemoryReport(), True
+        t0 = time.perf_counter()
+        for storage, size in zip(self._weights, self._weight_sizes):
+            storage.resize_(size)
+        restored = self._backup is not None
+        if restored:
+            for storage, host in zip(self._weights, self._backup):
+                storage.copy_(host, non_blocking=True)
+            self._sync()
+            self._backup = None
+        self.weights_released = False
+        return MemoryReport(self.weight_bytes, time.perf_counter() - t0), restored
+
+    def release_kv_cache(self) -> MemoryReport:
+        if self.kv_released:
+            return MemoryReport()
+        t0 = time.perf_counter()
+        self._kv.resize_(0)
+        self.kv_released = True
+        self._return_to_device()
+        return MemoryReport(self._kv_size, time.perf_counter() - t0)
+
+    def restore_kv_cache(self) -> MemoryReport:
+        if not self.kv_released:
+            return MemoryReport()
+        t0 = time.perf_counter()
+        self._kv.resize_(self._kv_size)
+        # Fresh memory may hold NaN bit patterns; unwritten slots of a block must read as finite.
+        self._kv.fill_(0)
+        self.kv_released = False
+        return MemoryReport(self._kv_size, time.perf_counter() - t0)
+
+    def _host_copy(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
+        pin = self.device.type == "cuda"
+        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
+        host.copy_(storage, non_blocking=pin)
+        return host
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _return_to_device(self) -> None:
+        # Freed blocks go back to torch's caching allocator; hand them to the driver too.
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,1 @@
+"""KV tiers below the device: connectors that store full blocks and load them back."""

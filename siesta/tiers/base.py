@@ -1,0 +1,129 @@
+"""The connector interface between the engine and the tiers below the device KV cache.
+
+Scheduler side: ``get_num_new_matched_tokens`` (how many more tokens a tier holds
+for a request), ``update_state_after_alloc`` (plan the loads into the request's
+new device blocks), ``build_step`` (this step's loads and the stores the
+previous step made possible). Worker side: ``run_loads`` before the forward,
+``run_stores`` at the start of the next step. Control: ``reset_cache``,
+``evict_other_versions``, ``wait_for_stores``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from siesta.metrics import EngineStats
+
+if TYPE_CHECKING:
+    from siesta.attention.base import KVCache
+    from siesta.core.scheduler import SchedulerOutput
+    from siesta.kv.block_pool import BlockPool
+    from siesta.request import Request
+
+
+@dataclass
+class ConnectorContext:
+    """What a connector learns about the engine it serves."""
+
+    block_size: int  # device block size, in tokens
+    block_shape: tuple[int, ...]  # one device block: [num_layers, 2, block_size, kv_heads, head_dim]
+    dtype: torch.dtype
+    device: torch.device
+    model_fingerprint: str
+    weight_version: str
+    stats: EngineStats
+    pool: BlockPool  # device blocks: stores hold a reference until their copy is done
+
+    @property
+    def block_bytes(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class StepTransfers:
+    """The tier work of one step; what ``build_step`` returns and the model runner executes."""
+
+    loads: list[Any] = field(default_factory=list)
+    stores: list[Any] = field(default_factory=list)
+    # A composite connector's children, each with its own share of the step.
+    parts: list[tuple[KVConnector, StepTransfers]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loads or self.stores or any(sub for _, sub in self.parts))
+
+
+class KVConnector(ABC):
+    """Base of every connector. Subclasses that handle a request being preempted and
+    resumed in the same step, with its tier entries kept across a pause, set
+    ``supports_retained_cache_on_pause = True``."""
+
+    supports_retained_cache_on_pause: ClassVar[bool] = False
+
+    def __init__(self, extra_config: dict[str, Any], ctx: ConnectorContext) -> None:
+        self.extra_config = extra_config
+        self.ctx = ctx
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def retention_refusal(self) -> str:
+        return (
+            f"{self.name} cannot keep its cache across a pause: the resume lands in the step that "
+            "reports the pause's preemptions, which this connector does not expect. "
+            "Drop clear_connector_cache=False."
+        )
+
+    # -- scheduler side ----------------------------------------------------------------
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens past ``num_computed_tokens`` (block-aligned) that this connector can load."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_computed: int, num_external: int) -> None:
+        """The request got device blocks; plan loading ``num_external`` tokens after ``num_computed``."""
+
+    @abstractmethod
+    def build_step(self, sched: SchedulerOutput) -> StepTransfers:
+        """This step's loads, plus stores of blocks that earlier steps filled."""
+
+    def has_pending_work(self) -> bool:
+        """Stores still to issue or finish: the engine keeps stepping until they are done."""
+        return False
+
+    def set_weight_version(self, version: str) -> None:
+        self.ctx.weight_version = version
+
+    @abstractmethod
+    def reset_cache(self) -> None:
+        """Drop every entry."""
+
+    @abstractmethod
+    def evict_other_versions(self, keep_version: str) -> None:
+        """Drop entries that weights other than ``keep_version`` computed."""
+
+    # -- worker side -----------------------------------------------------------------
+
+    @abstractmethod
+    def run_loads(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
+        """Write this step's loads into their device blocks; done before returning."""
+
+    @abstractmethod
+    def run_stores(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
+        """Start copying stored blocks out; completion is picked up by ``poll``."""
+
+    def poll(self) -> None:
+        """Retire finished transfers (release their device blocks)."""
+
+    @abstractmethod
+    def wait_for_stores(self, kv_cache: KVCache) -> None:
+        """Issue and finish every store; after this no device block is being read."""
+

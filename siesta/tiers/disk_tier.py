@@ -1,0 +1,195 @@
+"""The disk tier: one file per entry, written atomically, verified on every read.
+
+Files live under ``<disk_path>/<model fingerprint>/``, so entries of the same
+model survive an engine restart (their keys are stable) and other models'
+entries never mix in. A file is written to a temporary name, flushed to disk
+and renamed, so a crash leaves either no entry or a whole one; a checksum in
+its header catches anything else, and such a file is deleted, not served.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from siesta.kv.hashing import BlockHash
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"SKV1"
+_HEADER_LEN = struct.Struct("<I")
+SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
+
+
+@dataclass
+class DiskEntry:
+    path: Path
+    version: str
+    nbytes: int  # file size, header included
+
+
+class DiskTier:
+    def __init__(self, root: str | os.PathLike, model_fingerprint: str, capacity_bytes: int, entry_bytes: int) -> None:
+        self.dir = Path(root) / model_fingerprint
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.capacity = capacity_bytes
+        self.entry_bytes = entry_bytes
+        self._lock = threading.Lock()
+        self._index: OrderedDict[BlockHash, DiskEntry] = OrderedDict()
+        self.bytes_used = 0
+        self.evictions = 0
+        self._scan()
+
+    # -- index -------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files a previous engine left, oldest first."""
+        for tmp in self.dir.glob(f"*{TMP_SUFFIX}"):
+            tmp.unlink(missing_ok=True)  # a write that never finished
+        files = sorted(self.dir.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
+        for path in files:
+            header = _read_header(path)
+            if header is None or path.stat().st_size != header["file_bytes"]:
+                path.unlink(missing_ok=True)
+                continue
+            self._add(bytes.fromhex(header["key"]), DiskEntry(path, header["version"], header["file_bytes"]))
+        self._evict_to_fit(0)
+
+    def _add(self, key: BlockHash, entry: DiskEntry) -> None:
+        self._index[key] = entry
+        self.bytes_used += entry.nbytes
+
+    def _remove(self, key: BlockHash) -> None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self.bytes_used -= entry.nbytes
+            entry.path.unlink(missing_ok=True)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def contains(self, key: BlockHash) -> bool:
+        with self._lock:
+            return key in self._index
+
+    # -- data --------------------------------------------------------------------------
+
+    def write(self, key: BlockHash, version: str, data: memoryview) -> int:
+        """Store an entry (bytes written, 0 if it cannot fit); safe from a background thread."""
+        header = self._header(key, version, data)
+        total = len(header) + len(data)
+        if total > self.capacity:
+            return 0
+        final = self.dir / f"{key.hex()}{SUFFIX}"
+        tmp = final.with_name(final.name + f".{threading.get_ident()}{TMP_SUFFIX}")
+        with self._lock:
+            if key in self._index:
+                return 0
+            self._evict_to_fit(total)
+            # Count the bytes before they land, so concurrent writers never overshoot the budget.
+            self.bytes_used += total
+        try:
+            with open(tmp, "wb") as f:
+                f.write(header)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError:
+            logger.exception("disk tier: writing %s failed", final)
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self.bytes_used -= total
+            return 0
+        with self._lock:
+            self.bytes_used -= total
+            self._add(key, DiskEntry(final, version, total))
+        return total
+
+    def read(self, key: BlockHash) -> bytes | None:
+        """The entry's data if it is whole and unchanged; a damaged entry is deleted and missed."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None:
+                return None
+            self._index.move_to_end(key)
+        try:
+            raw = entry.path.read_bytes()
+        except OSError:
+            raw = b""
+        data = _verified_payload(raw, key)
+        if data is None:
+            logger.warning("disk tier: %s is damaged; deleted", entry.path)
+            with self._lock:
+                self._remove(key)
+        return data
+
+    def evict_where(self, predicate) -> int:
+        with self._lock:
+            doomed = [k for k, e in self._index.items() if predicate(k, e)]
+            for key in doomed:
+                self._remove(key)
+            self.evictions += len(doomed)
+        return len(doomed)
+
+    def _evict_to_fit(self, incoming: int) -> None:
+        while self._index and self.bytes_used + incoming > self.capacity:
+            key = next(iter(self._index))
+            self._remove(key)
+            self.evictions += 1
+
+    def _header(self, key: BlockHash, version: str, data: memoryview) -> bytes:
+        meta = {"key": key.hex(), "version": version, "data_bytes": len(data), "crc32": zlib.crc32(data)}
+        body = json.dumps(meta, sort_keys=True).encode()
+        return MAGIC + _HEADER_LEN.pack(len(body)) + body
+
+
+def _parse(raw: bytes) -> tuple[dict, int] | None:
+    """(header, offset of the payload) or None when the bytes are not a siesta entry."""
+    prefix = len(MAGIC) + _HEADER_LEN.size
+    if len(raw) < prefix or raw[: len(MAGIC)] != MAGIC:
+        return None
+    (n,) = _HEADER_LEN.unpack(raw[len(MAGIC) : prefix])
+    try:
+        return json.loads(raw[prefix : prefix + n]), prefix + n
+    except ValueError:
+        return None
+
+
+_MAX_HEADER_BYTES = 4096
+
+
+def _read_header(path: Path) -> dict | None:
+    """The header, with the size the whole file must have as ``file_bytes``."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_MAX_HEADER_BYTES)
+    except OSError:
+        return None
+    parsed = _parse(head)
+    if parsed is None:
+        return None
+    header, offset = parsed
+    header["file_bytes"] = offset + int(header.get("data_bytes", -1))
+    return header
+
+
+def _verified_payload(raw: bytes, key: BlockHash) -> bytes | None:
+    parsed = _parse(raw)
+    if parsed is None:
+        return None
+    header, offset = parsed
+    data = raw[offset:]
+    if header.get("key") != key.hex() or len(data) != header.get("data_bytes"):
+        return None
+    if zlib.crc32(data) != header.get("crc32"):
+        return None
+    return data

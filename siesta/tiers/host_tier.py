@@ -1,0 +1,98 @@
+"""The host tier: a fixed pool of entries in (pinned) host memory, reused least recently used first.
+
+An entry holds one tier block: ``blocks_per_entry`` consecutive device blocks,
+laid out exactly as on the device, so each device block moves in one copy.
+Entries being written, or pinned by a load or a disk write, are never evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from siesta.kv.hashing import BlockHash
+
+
+@dataclass
+class HostEntry:
+    slot: int
+    version: str
+    ready: bool = False  # False while its data is being copied in
+    pins: int = 0
+
+
+class HostTier:
+    def __init__(self, capacity_bytes: int, entry_shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool) -> None:
+        entry_bytes = torch.empty(entry_shape, dtype=dtype, device="meta").numel() * torch.empty((), dtype=dtype).element_size()
+        self.capacity = capacity_bytes // entry_bytes
+        if self.capacity < 1:
+            raise ValueError(f"cpu_bytes_to_use={capacity_bytes} holds no entry of {entry_bytes} bytes")
+        self.entry_bytes = entry_bytes
+        self.buffer = torch.empty((self.capacity, *entry_shape), dtype=dtype, pin_memory=pin_memory)
+        self._index: OrderedDict[BlockHash, HostEntry] = OrderedDict()
+        self._free_slots = list(range(self.capacity - 1, -1, -1))
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def bytes_used(self) -> int:
+        return len(self._index) * self.entry_bytes
+
+    def lookup(self, key: BlockHash) -> HostEntry | None:
+        """A ready entry, marked most recently used; None on a miss."""
+        entry = self._index.get(key)
+        if entry is None or not entry.ready:
+            return None
+        self._index.move_to_end(key)
+        return entry
+
+    def contains(self, key: BlockHash) -> bool:
+        """Present or on its way in."""
+        return key in self._index
+
+    def reserve(self, key: BlockHash, version: str) -> HostEntry | None:
+        """A slot for a new entry (not ready until ``commit``); evicts if needed. None if all are pinned."""
+        if not self._free_slots and not self._evict_one():
+            return None
+        entry = HostEntry(self._free_slots.pop(), version)
+        self._index[key] = entry
+        return entry
+
+    def commit(self, key: BlockHash) -> None:
+        self._index[key].ready = True
+
+    def pin(self, key: BlockHash) -> None:
+        self._index[key].pins += 1
+
+    def unpin(self, key: BlockHash) -> None:
+        entry = self._index.get(key)
+        if entry is not None:
+            entry.pins -= 1
+
+    def drop(self, key: BlockHash) -> None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._free_slots.append(entry.slot)
+
+    def evict_where(self, predicate) -> int:
+        """Drop unpinned ready entries matching ``predicate(key, entry)``; returns how many."""
+        doomed = [k for k, e in self._index.items() if e.ready and e.pins == 0 and predicate(k, e)]
+        for key in doomed:
+            self.drop(key)
+        self.evictions += len(doomed)
+        return len(doomed)
+
+    def data(self, entry: HostEntry) -> torch.Tensor:
+        return self.buffer[entry.slot]
+
+    def _evict_one(self) -> bool:
+        for key, entry in self._index.items():  # least recently used first
+            if entry.ready and entry.pins == 0:
+                self.drop(key)
+                self.evictions += 1
+                return True
+        return False

@@ -1,0 +1,343 @@
+"""OffloadingConnector: full KV blocks stored to host memory (and optionally disk), loaded back on a hit.
+
+Keys are the device prefix-cache keys, so they carry the model, the weight
+version and the cache salt: an entry can only ever be served to a request that
+would have computed the same KV. The tiers outlive pause and sleep; a request
+preempted by a pause and resumed in the very step that reports the preemption
+has its stores flushed and its load left alone, so keeping the tier is safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from siesta.attention.base import KVCache
+from siesta.kv.block_pool import Block
+from siesta.kv.hashing import BlockHash, extend_block_hashes
+from siesta.request import Request
+from siesta.tiers.base import ConnectorContext, KVConnector, StepTransfers
+from siesta.tiers.disk_tier import DiskTier
+from siesta.tiers.host_tier import HostEntry, HostTier
+from siesta.tiers.transfer import BlockCopier
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_BYTES = 1 << 30
+ROLES_THAT_LOAD = ("kv_both", "kv_consumer")
+ROLES_THAT_STORE = ("kv_both", "kv_producer")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    block_size: int  # tokens per tier entry, a multiple of the device block size
+    cpu_bytes_to_use: int
+    disk_path: str | None
+    disk_bytes_to_use: int
+    offload_prompt_only: bool
+    role: str
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any], device_block_size: int, role: str) -> OffloadConfig:
+        known = {"block_size", "cpu_bytes_to_use", "disk_path", "disk_bytes_to_use", "offload_prompt_only"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"OffloadingConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+        cfg = cls(
+            block_size=int(extra.get("block_size", device_block_size)),
+            cpu_bytes_to_use=int(extra.get("cpu_bytes_to_use", DEFAULT_CPU_BYTES)),
+            disk_path=extra.get("disk_path"),
+            disk_bytes_to_use=int(extra.get("disk_bytes_to_use", 0)),
+            offload_prompt_only=bool(extra.get("offload_prompt_only", False)),
+            role=role,
+        )
+        if cfg.block_size <= 0 or cfg.block_size % device_block_size:
+            raise ValueError(
+                f"OffloadingConnector: block_size {cfg.block_size} must be a positive multiple of the "
+                f"device block size {device_block_size}"
+            )
+        if cfg.cpu_bytes_to_use <= 0:
+            raise ValueError("OffloadingConnector: cpu_bytes_to_use must be positive")
+        if cfg.disk_path is not None and cfg.disk_bytes_to_use <= 0:
+            raise ValueError("OffloadingConnector: disk_path needs a positive disk_bytes_to_use")
+        return cfg
+
+
+@dataclass
+class LoadPiece:
+    """``count`` device blocks of one tier entry, from its block ``entry_first``, into the
+    request's blocks from index ``request_first`` (``block_ids`` once they are allocated)."""
+
+    key: BlockHash
+    entry: HostEntry
+    entry_first: int
+    request_first: int
+    count: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class LoadJob:
+    request_id: str
+    pieces: list[LoadPiece]
+    event: Any = None
+
+
+@dataclass
+class StoreJob:
+    request_id: str
+    key: BlockHash
+    version: str
+    blocks: list[Block]  # referenced until the copy is done, so never reused before
+    entry: HostEntry | None = None
+    event: Any = None
+
+
+class OffloadingConnector(KVConnector):
+    supports_retained_cache_on_pause = True
+
+    def __init__(self, extra_config: dict[str, Any], ctx: ConnectorContext, role: str = "kv_both") -> None:
+        super().__init__(extra_config, ctx)
+        self.cfg = OffloadConfig.parse(extra_config, ctx.block_size, role)
+        self.blocks_per_entry = self.cfg.block_size // ctx.block_size
+        entry_shape = (self.blocks_per_entry, *ctx.block_shape)
+        pin = ctx.device.type == "cuda"
+        self.host = HostTier(self.cfg.cpu_bytes_to_use, entry_shape, ctx.dtype, pin_memory=pin)
+        self.disk: DiskTier | None = None
+        if self.cfg.disk_path is not None:
+            self.disk = DiskTier(self.cfg.disk_path, ctx.model_fingerprint, self.cfg.disk_bytes_to_use, self.host.entry_bytes)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="siesta-disk") if self.disk is not None else None
+        self.copier = BlockCopier(ctx.device)
+        # Scheduler-side bookkeeping.
+        self._matched: dict[str, list[LoadPiece]] = {}  # looked up this schedule(), pinned, not yet allocated
+        self._pending_loads: dict[str, LoadJob] = {}
+        self._stored_upto: dict[str, int] = {}  # per request: tier entries already planned or skipped
+        self._planned: list[StoreJob] = []
+        self._store_keys: set[BlockHash] = set()  # planned or in flight
+        # Worker-side transfers still running.
+        self._inflight_stores: list[StoreJob] = []
+        self._inflight_loads: list[LoadJob] = []
+        self._disk_writes: list[tuple[BlockHash, Future[int]]] = []
+        self._evictions_seen = {"host": 0, "disk": self.disk.evictions if self.disk is not None else 0}
+        self._record_usage()
+
+    # -- lookups -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        self._release_match(request.request_id)
+        if self.cfg.role not in ROLES_THAT_LOAD:
+            return 0
+        bs, k = self.ctx.block_size, self.blocks_per_entry
+        extend_block_hashes(request.block_hashes, request.all_token_ids, bs, request.hash_extra)
+        first = num_computed_tokens // bs
+        # The last token is always computed: its logits are what the next sample needs.
+        limit = (request.num_tokens - 1) // bs
+        pieces: list[LoadPiece] = []
+        b = first
+        while b < limit and (b // k + 1) * k <= len(request.block_hashes):
+            j = b // k
+            key = request.block_hashes[(j + 1) * k - 1]
+            entry = self.host.lookup(key) or self._promote_from_disk(key)
+            if entry is None:
+                break
+            self.host.pin(key)
+            end = min((j + 1) * k, limit)
+            pieces.append(LoadPiece(key, entry, entry_first=b - j * k, request_first=b, count=end - b))
+            b = end
+        if pieces:
+            self._matched[request.request_id] = pieces
+        return (b - first) * bs
+
+    def _promote_from_disk(self, key: BlockHash) -> HostEntry | None:
+        """Read a disk entry into a host slot; None if absent, damaged or no slot is free."""
+        if self.disk is None or not self.disk.contains(key):
+            return None
+        data = self.disk.read(key)
+        if data is None:
+            return None
+        entry = self.host.reserve(key, self.ctx.weight_version)
+        if entry is None:
+            return None
+        target = self.host.data(entry)
+        target.view(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.host.commit(key)
+        self.ctx.stats.inc("kv_offload_load_bytes", len(data), tier="disk")
+        return entry
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_computed: int, num_external: int) -> None:
+        self.ctx.stats.inc("external_prefix_cache_queries", request.num_tokens)
+        self.ctx.stats.inc("external_prefix_cache_hits", num_external)
+        pieces = self._matched.pop(request.request_id, [])
+        if not num_external:
+            for piece in pieces:
+                self.host.unpin(piece.key)
+            return
+        for piece in pieces:
+            piece.block_ids = block_ids[piece.request_first : piece.request_first + piece.count]
+        self._pending_loads[request.request_id] = LoadJob(request.request_id, pieces)
+
+    def _release_match(self, request_id: str) -> None:
+        for piece in self._matched.pop(request_id, []):
+            self.host.unpin(piece.key)
+
+    # -- planning a step -----------------------------------------------------------------
+
+    def build_step(self, sched) -> StepTransfers:
+        for request_id in list(self._matched):  # looked up, but the device had no room
+            self._release_match(request_id)
+        # Stores planned last step read blocks the last forward filled: issue them now. A
+        # preempted request's stores go with them (flushed); a load it got in this very
+        # step, resuming, is its own job and is left alone.
+        transfers = StepTransfers(stores=self._planned)
+        self._planned = []
+        for request_id in sched.preempted_req_ids | sched.finished_req_ids:
+            self._stored_upto.pop(request_id, None)
+        for item in sched.scheduled:
+            job = self._pending_loads.pop(item.request.request_id, None)
+            if job is not None:
+                transfers.loads.append(job)
+            self._plan_stores(item.request, item.block_ids)
+        return transfers
+
+    def _plan_stores(self, request: Request, block_ids: list[int]) -> None:
+        if self.cfg.role not in ROLES_THAT_STORE or request.kv_mixes_versions:
+            return
+        bs, k = self.ctx.block_size, self.blocks_per_entry
+        computed = request.num_computed_tokens  # after this step's forward
+        if self.cfg.offload_prompt_only:
+            computed = min(computed, request.num_prompt_tokens)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, bs, request.hash_extra)
+        full = min(computed // (k * bs), len(request.block_hashes) // k)
+        start = self._stored_upto.get(request.request_id, 0)
+        for j in range(start, full):
+            key = request.block_hashes[(j + 1) * k - 1]
+            if key in self._store_keys or self.host.contains(key) or (self.disk is not None and self.disk.contains(key)):
+                continue
+            blocks = [self.ctx.pool.blocks[i] for i in block_ids[j * k : (j + 1) * k]]
+            self.ctx.pool.touch(blocks)
+            self._planned.append(StoreJob(request.request_id, key, self.ctx.weight_version, blocks))
+            self._store_keys.add(key)
+        self._stored_upto[request.request_id] = max(start, full)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._planned or self._inflight_stores or self._inflight_loads or self._disk_writes)
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def run_stores(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
+        for job in transfers.stores:
+            job.entry = self.host.reserve(job.key, job.version)
+            if job.entry is None:  # every slot pinned: drop the store, nothing is lost but the copy
+                self._finish_store(job, stored=False)
+                continue
+            job.event = self.copier.store(kv_cache, [b.block_id for b in job.blocks], self.host.data(job.entry))
+            self._inflight_stores.append(job)
+        self.poll()
+
+    def run_loads(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
+        for job in transfers.loads:
+            for piece in job.pieces:
+                first = piece.entry_first
+                src = self.host.data(piece.entry)[first : first + piece.count]
+                self.copier.load(src, kv_cache, piece.block_ids)
+                self.ctx.stats.inc("kv_offload_load_bytes", len(piece.block_ids) * self.ctx.block_bytes, tier="host")
+        if transfers.loads:
+            event = self.copier.finish_loads()
+            for job in transfers.loads:
+                job.event = event
+                self._inflight_loads.append(job)
+        self.poll()
+
+    def poll(self) -> None:
+        # Take finished jobs off the lists before retiring them: a failure while retiring
+        # one must not leave it to be retired (and its blocks freed) a second time.
+        done_stores, self._inflight_stores = self._split_done(self._inflight_stores)
+        done_loads, self._inflight_loads = self._split_done(self._inflight_loads)
+        for job in done_stores:
+            self._finish_store(job, stored=True)
+        for job in done_loads:
+            for piece in job.pieces:
+                self.host.unpin(piece.key)
+        self._retire_disk_writes(block=False)
+        self._record_usage()
+
+    def _split_done(self, jobs: list) -> tuple[list, list]:
+        flags = [self.copier.done(job.event) for job in jobs]
+        return [j for j, f in zip(jobs, flags) if f], [j for j, f in zip(jobs, flags) if not f]
+
+    def _finish_store(self, job: StoreJob, stored: bool) -> None:
+        self.ctx.pool.free(job.blocks)
+        self._store_keys.discard(job.key)
+        if not stored:
+            self.ctx.stats.inc("kv_offload_dropped_stores")
+            return
+        self.host.commit(job.key)
+        self.ctx.stats.inc("kv_offload_store_bytes", self.host.entry_bytes, tier="host")
+        if self.disk is not None and not self.disk.contains(job.key):
+            self.host.pin(job.key)  # the writer reads the slot; it must not be reused meanwhile
+            data = memoryview(self.host.data(job.entry).view(-1).view(torch.uint8).numpy())
+            self._disk_writes.append((job.key, self._writer.submit(self.disk.write, job.key, job.version, data)))
+
+    def _retire_disk_writes(self, block: bool) -> None:
+        still = []
+        for key, future in self._disk_writes:
+            if block or future.done():
+                written = future.result()
+                self.host.unpin(key)
+                self.ctx.stats.inc("kv_offload_store_bytes", written, tier="disk")
+            else:
+                still.append((key, future))
+        self._disk_writes = still
+
+    def wait_for_stores(self, kv_cache: KVCache) -> None:
+        planned, self._planned = self._planned, []
+        self.run_stores(StepTransfers(stores=planned), kv_cache)
+        for job in self._inflight_stores:
+            self.copier.wait(job.event)
+        for job in self._inflight_loads:
+            self.copier.wait(job.event)
+        self.poll()
+        self._retire_disk_writes(block=True)
+        self._record_usage()
+
+    # -- control -------------------------------------------------------------------------
+
+    def reset_cache(self) -> None:
+        self._drop_where(lambda key, version: True)
+
+    def evict_other_versions(self, keep_version: str) -> None:
+        self._drop_where(lambda key, version: version != keep_version)
+
+    def _drop_where(self, predicate) -> None:
+        # Stores not yet issued would bring dropped entries back: cancel those too.
+        keep = []
+        for job in self._planned:
+            if predicate(job.key, job.version):
+                self.ctx.pool.free(job.blocks)
+                self._store_keys.discard(job.key)
+            else:
+                keep.append(job)
+        self._planned = keep
+        for job in self._inflight_stores:
+            self.copier.wait(job.event)
+        self.poll()
+        self._retire_disk_writes(block=True)
+        self.host.evict_where(lambda key, entry: predicate(key, entry.version))
+        if self.disk is not None:
+            self.disk.evict_where(lambda key, entry: predicate(key, entry.version))
+        self._record_usage()
+
+    def _record_usage(self) -> None:
+        # LRU evictions to make room happen inside the tiers; report the new ones.
+        for tier, count in (("host", self.host.evictions), ("disk", self.disk.evictions if self.disk is not None else 0)):
+            self.ctx.stats.inc("kv_offload_evictions", count - self._evictions_seen[tier], tier=tier)
+            self._evictions_seen[tier] = count
+        self.ctx.stats.set("kv_offload_bytes_used", self.host.bytes_used, tier="host")
+        self.ctx.stats.set("kv_offload_bytes_capacity", self.host.capacity * self.host.entry_bytes, tier="host")
+        if self.disk is not None:
+            self.ctx.stats.set("kv_offload_bytes_used", self.disk.bytes_used, tier="disk")
+            self.ctx.stats.set("kv_offload_bytes_capacity", self.disk.capacity, tier="disk")

@@ -1,0 +1,317 @@
+"""The offloading connector inside a real engine: the seed's behaviour and beyond.
+
+A tiny random Llama keeps these fast; token identity is checked against the same
+engine's uninterrupted runs (itself checked against transformers elsewhere).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from siesta import LLM, SamplingParams
+from siesta.core.engine_core import ConnectorRetentionError
+
+BLOCK = 16
+TIER_BLOCK = 32
+MODEL = "random:tiny-llama"
+
+
+def offload(**extra) -> dict:
+    cfg = {"block_size": TIER_BLOCK, "cpu_bytes_to_use": 1 << 26} | extra
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": cfg}
+
+
+def engine(kv_transfer_config=None, **kw) -> LLM:
+    kw = {"dtype": "float32", "kv_cache_bytes": 1 << 23, "max_model_len": 1024} | kw
+    return LLM(MODEL, kv_transfer_config=kv_transfer_config, **kw)
+
+
+def prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Lengths 8 past a tier block (32 tokens) with 8 new tokens: the output never fills another
+    # tier block, so what the warm-up stores is exactly what a replay can load.
+    return [[rng.randrange(3, 900) for _ in range(TIER_BLOCK * (5 + i) + 8)] for i in range(n)]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+def generate(llm: LLM, ps: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)]
+
+
+def counters(llm: LLM) -> dict[str, float]:
+    return {k: v for k, v in llm.get_metrics().items() if "offload" in k or "prefix_cache" in k}
+
+
+def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+HITS = "siesta_external_prefix_cache_hits_total"
+QUERIES = "siesta_external_prefix_cache_queries_total"
+LOADS = 'siesta_kv_offload_load_bytes_total{tier="host"}'
+STORES = 'siesta_kv_offload_store_bytes_total{tier="host"}'
+
+
+def full_blocks_before_last_token(ps: list[list[int]]) -> int:
+    return sum((len(p) - 1) // BLOCK * BLOCK for p in ps)
+
+
+# -- seed parity -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("via", ["sleep", "pause"])
+def test_kept_tier_replay_loads_what_warmup_stored(via):
+    llm = engine(offload())
+    ps = prompts()
+    c0 = counters(llm)
+    ref = generate(llm, ps)
+    c1 = counters(llm)
+    stored = delta(c1, c0, STORES)
+    assert stored > 0
+    if via == "sleep":
+        llm.sleep(level=1, clear_connector_cache=False)
+        llm.wake_up()
+    else:
+        llm.pause(clear_connector_cache=False)
+        llm.resume()
+    assert generate(llm, ps) == ref
+    c2 = counters(llm)
+    assert delta(c2, c1, HITS) == full_blocks_before_last_token(ps)
+    assert delta(c2, c1, QUERIES) == sum(map(len, ps))
+    assert delta(c2, c1, LOADS) == stored
+    assert delta(c2, c1, STORES) == 0
+    assert delta(c2, c1, "siesta_prefix_cache_hits_total") == 0  # the device cache went with the pause
+
+
+@pytest.mark.parametrize("call", ["sleep_default", "pause_default", "sleep_explicit"])
+def test_omitted_or_true_clears_the_tier(call):
+    llm = engine(offload())
+    ps = prompts()
+    ref = generate(llm, ps)
+    c1 = counters(llm)
+    if call == "sleep_default":
+        llm.sleep(level=1)
+        llm.wake_up()
+    elif call == "pause_default":
+        llm.pause()
+        llm.resume()
+    else:
+        llm.sleep(level=1, clear_connector_cache=True)
+        llm.wake_up()
+    assert generate(llm, ps) == ref
+    c2 = counters(llm)
+    assert delta(c2, c1, HITS) == 0
+    # With the tier cleared the replay stores the same blocks all over again.
+    assert delta(c2, c1, STORES) == delta(c1, {}, STORES)
+
+
+# -- the seed's crash: preempted by the pause, resumed in the step that reports it --------
+
+
+class StepRecorder:
+    """Wraps the connector's step planning to see preemptions and loads per step."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.steps: list[tuple[set[str], set[str]]] = []
+        connector = llm.engine.connector
+        original = connector.build_step
+
+        def build_step(sched):
+            transfers = original(sched)
+            self.steps.append((set(sched.preempted_req_ids), {job.request_id for job in transfers.loads}))
+            return transfers
+
+        connector.build_step = build_step
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_keep_mode_sleep_resumes_by_loading_in_the_reporting_step(chunked):
+    kw = {} if chunked else {"enable_chunked_prefill": False}
+    if chunked:
+        kw["max_num_batched_tokens"] = 64  # prompts prefill over several steps
+    ps = prompts(3, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = generate(engine(**kw), ps, params)
+
+    llm = engine(offload(), **kw)
+    recorder = StepRecorder(llm)
+    ids = [llm.add_request({"prompt_token_ids": p}, params) for p in ps]
+    for _ in range(12 if chunked else 6):  # mid-generation: some tokens out, more to come
+        llm.step()
+    assert llm.has_unfinished_requests()
+    llm.sleep(level=1, mode="keep", clear_connector_cache=False)
+    llm.wake_up()
+    outs = {}
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    assert [outs[i] for i in ids] == ref
+    resumed_with_load = [pre & loads for pre, loads in recorder.steps if pre & loads]
+    assert resumed_with_load, "no request was preempted and loaded in the same step"
+    assert llm.get_metrics()[HITS] > 0
+
+
+# -- fail-closed ---------------------------------------------------------------------------
+
+
+NO_RETENTION = {
+    "kv_connector": "NoRetentionConnector",
+    "kv_connector_module_path": "tiers.no_retention_connector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 24},
+}
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        NO_RETENTION,
+        {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [offload(), NO_RETENTION]}},
+    ],
+    ids=["third_party", "multi_with_one_refusing_child"],
+)
+def test_refusal_leaves_the_engine_untouched(cfg):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent.parent))
+    llm = engine(cfg)
+    ps = prompts(2)
+    generate(llm, ps)
+    before = counters(llm)
+    used = before['siesta_kv_offload_bytes_used{tier="host"}']
+    assert used > 0
+    for call in (lambda: llm.sleep(level=1, clear_connector_cache=False),
+                 lambda: llm.pause(mode="keep", clear_connector_cache=False)):  # fmt: skip
+        with pytest.raises(ConnectorRetentionError) as err:
+            call()
+        assert "NoRetentionConnector" in str(err.value) and "clear_connector_cache=False" in str(err.value)
+        assert not llm.is_paused() and not llm.is_sleeping()
+    after = counters(llm)
+    assert after['siesta_kv_offload_bytes_used{tier="host"}'] == used
+    # Still serving, and still hitting the device prefix cache that was never reset.
+    generate(llm, ps)
+    assert delta(counters(llm), after, "siesta_prefix_cache_hits_total") > 0
+
+
+def test_no_connector_means_nothing_to_refuse():
+    llm = engine()
+    llm.sleep(level=1, clear_connector_cache=False)
+    llm.wake_up()
+    assert generate(llm, prompts(1))
+
+
+# -- weight versions ---------------------------------------------------------------------
+
+
+def test_new_weight_version_never_hits_old_entries_and_finish_evicts_them():
+    llm = engine(offload())
+    ps = prompts()
+    generate(llm, ps)
+    weights = list(llm.engine.source.iter_weights(llm.engine.runner.dtype))
+    llm.sleep(level=1, clear_connector_cache=False)
+    llm.wake_up(["weights"])
+    assert llm.update_weights(weights) == "1"
+    llm.wake_up(["kv_cache"])
+    c1 = counters(llm)
+    generate(llm, ps)
+    c2 = counters(llm)
+    assert delta(c2, c1, HITS) == 0 and delta(c2, c1, STORES) > 0
+    assert llm.get_metrics()['siesta_weight_version_info{version="1"}'] == 1
+    host_used = c2['siesta_kv_offload_bytes_used{tier="host"}']
+    llm.finish_weight_update()
+    c3 = counters(llm)
+    # Only version 1's entries (stored by the replay) survive.
+    assert c3['siesta_kv_offload_bytes_used{tier="host"}'] == delta(c2, c1, STORES) < host_used
+
+
+def test_naming_the_same_version_keeps_the_entries():
+    llm = engine(offload())
+    ps = prompts()
+    ref = generate(llm, ps)
+    weights = list(llm.engine.source.iter_weights(llm.engine.runner.dtype))
+    llm.sleep(level=1, clear_connector_cache=False)
+    llm.wake_up(["weights"])
+    assert llm.update_weights(weights, weight_version=llm.weight_version) == "0"
+    llm.wake_up(["kv_cache"])
+    llm.finish_weight_update()
+    c1 = counters(llm)
+    assert generate(llm, ps) == ref
+    assert delta(counters(llm), c1, HITS) == full_blocks_before_last_token(ps)
+
+
+def test_outputs_carry_the_weight_version():
+    llm = engine()
+    llm.update_weights(llm.engine.source.iter_weights(llm.engine.runner.dtype), weight_version="rl-step-7")
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False)[0]
+    assert out.weight_version == "rl-step-7"
+
+
+# -- disk tier ---------------------------------------------------------------------------
+
+
+def test_restarted_engine_reuses_disk_entries(tmp_path):
+    cfg = offload(disk_path=str(tmp_path), disk_bytes_to_use=1 << 26)
+    ps = prompts()
+    first = engine(cfg)
+    ref = generate(first, ps)
+    first.engine.connector.wait_for_stores(first.engine.runner.kv_cache)
+    disk_stored = counters(first)['siesta_kv_offload_store_bytes_total{tier="disk"}']
+    assert disk_stored > 0
+    del first
+    second = engine(cfg)
+    assert generate(second, ps) == ref
+    c = counters(second)
+    assert c[HITS] == full_blocks_before_last_token(ps)
+    assert c['siesta_kv_offload_load_bytes_total{tier="disk"}'] > 0
+
+
+def test_multi_connector_loads_from_first_child_with_hits_and_stores_to_all(tmp_path):
+    disk_only_host = offload(disk_path=str(tmp_path), disk_bytes_to_use=1 << 26)
+    cfg = {"kv_connector": "MultiConnector",
+           "kv_connector_extra_config": {"connectors": [offload(), disk_only_host]}}  # fmt: skip
+    llm = engine(cfg)
+    assert llm.engine.connector.supports_retained_cache_on_pause
+    ps = prompts()
+    ref = generate(llm, ps)
+    first, second = llm.engine.connector.children
+    assert len(first.host) == len(second.host) > 0
+    llm.sleep(level=1, clear_connector_cache=False)
+    llm.wake_up()
+    c1 = counters(llm)
+    assert generate(llm, ps) == ref
+    c2 = counters(llm)
+    assert delta(c2, c1, HITS) == full_blocks_before_last_token(ps)
+    # Each hit was loaded once, from the first child.
+    assert delta(c2, c1, LOADS) == delta(c2, c1, HITS) * first.ctx.block_bytes // BLOCK
+
+
+def test_offload_prompt_only_skips_generated_blocks():
+    ps = [p[: BLOCK * 4] for p in prompts(2)]  # prompts end on a block boundary
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    all_blocks, prompt_only = engine(offload(block_size=16)), engine(offload(block_size=16, offload_prompt_only=True))
+    generate(all_blocks, ps, params)
+    generate(prompt_only, ps, params)
+    per_block = all_blocks.engine.connector.host.entry_bytes
+    assert counters(prompt_only)[STORES] == 2 * 4 * per_block
+    assert counters(all_blocks)[STORES] == 2 * ((4 * BLOCK + 39) // BLOCK) * per_block
+
+
+def test_tier_budget_holds_under_a_random_workload():
+    rng = random.Random(3)
+    llm = engine(offload(block_size=16, cpu_bytes_to_use=40 * 16 * 512))
+    cap = llm.get_metrics()['siesta_kv_offload_bytes_capacity{tier="host"}']
+    for round_ in range(6):
+        ps = [[rng.randrange(3, 900) for _ in range(rng.randrange(20, 300))] for _ in range(rng.randrange(1, 6))]
+        generate(llm, ps + [p[: len(p) // 2] for p in ps])
+        m = llm.get_metrics()
+        assert m['siesta_kv_offload_bytes_used{tier="host"}'] <= cap
+        if round_ % 2:
+            llm.sleep(level=1, clear_connector_cache=False)
+            llm.wake_up()
+    assert llm.get_metrics()['siesta_kv_offload_evictions_total{tier="host"}'] > 0
