@@ -91,7 +91,14 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         self._require_running()
-        parents = [self._add(p, sp) for p, sp in zip(prompt_list, params)]
+        parents: list[str] = []
+        try:
+            for prompt, sp in zip(prompt_list, params):
+                parents.append(self._add(prompt, sp))
+        except Exception:
+            # All or nothing: a bad prompt leaves no half-added batch behind.
+            self.abort(parents)
+            raise
         return self._run(parents, use_tqdm)
 
     def chat(
