@@ -1,0 +1,108 @@
+"""``siesta bench resume`` in-process: the seed's experiment on an offline engine.
+
+Per arm: warm N distinct long prompts (their KV lands in the host tier), sleep
+at level 1 with or without keeping the tier, wake up, replay the same prompts
+and read the counter deltas. The two arms use different prompts, so neither
+starts warmer than the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from siesta.bench.common import median, print_table, random_prompts, write_json
+from siesta.sampling import SamplingParams
+
+DEFAULT_TIER_BYTES = 4 << 30
+COUNTERS = ("prefix_cache", "offload", "connector")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="run against a server over HTTP instead of in-process")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--json", default=None)
+
+
+def _metrics(llm) -> dict[str, float]:
+    return {k: v for k, v in llm.get_metrics().items() if any(c in k for c in COUNTERS)}
+
+
+def _fire_all(llm, prompts: list[list[int]], max_tokens: int) -> list[float]:
+    """Submit every prompt at once; each one's latency is its finish time minus the start."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    ids = {llm.add_request({"prompt_token_ids": p}, params) for p in prompts}
+    latency: dict[str, float] = {}
+    while len(latency) < len(ids):
+        for out in llm.step():
+            if out.finished and out.request_id in ids:
+                latency[out.request_id] = time.perf_counter() - t0
+    return list(latency.values())
+
+
+def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    warm = _fire_all(llm, prompts, max_tokens)
+    before = _metrics(llm)
+    t0 = time.perf_counter()
+    llm.sleep(level=1, clear_connector_cache=not keep_tier)
+    llm.wake_up()
+    sleep_wake_s = time.perf_counter() - t0
+    replay = _fire_all(llm, prompts, max_tokens)
+    after = _metrics(llm)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
+    return {
+        "keep_tier": keep_tier,
+        "warm_p50_s": median(warm),
+        "replay_p50_s": median(replay),
+        "sleep_wake_s": sleep_wake_s,
+        "metric_delta": {k: v for k, v in sorted(delta.items()) if v},
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.url:
+        from siesta.bench import resume
+
+        return resume.run(args)
+    from siesta import LLM
+    from siesta.entrypoints.cli import engine_kwargs
+
+    kwargs = engine_kwargs(args)
+    if kwargs["kv_transfer_config"] is None:
+        kwargs["kv_transfer_config"] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": {"cpu_bytes_to_use": DEFAULT_TIER_BYTES}}  # fmt: skip
+    llm = LLM(**kwargs)
+    vocab = llm.engine.vocab_size
+    _fire_all(llm, random_prompts(2, 16, 32, vocab, seed=99), 2)  # warm-up
+    arms = {}
+    for seed, (name, keep) in enumerate((("cleared", False), ("kept", True))):
+        prompts = random_prompts(args.requests, args.prompt_tokens, args.prompt_tokens, vocab, seed=seed)
+        arms[name] = run_arm(llm, keep, prompts, args.max_tokens)
+    result = {"cleared": arms["cleared"], "kept": arms["kept"], "config": {k: str(v) for k, v in vars(args).items()}}
+    result["speedup_p50"] = arms["cleared"]["replay_p50_s"] / arms["kept"]["replay_p50_s"]
+    result["verdict"] = "tier reused on resume" if result["speedup_p50"] > 1 else "no measurable difference"
+    report(result)
+    write_json(args.json, result)
+    return result
+
+
+def report(result: dict[str, Any]) -> None:
+    rows = []
+    for name in ("cleared", "kept"):
+        arm = result[name]
+        d = arm["metric_delta"]
+        rows.append([
+            name,
+            f"{d.get('siesta_external_prefix_cache_hits_total', 0):,.0f} / {d.get('siesta_external_prefix_cache_queries_total', 0):,.0f}",
+            d.get('siesta_kv_offload_load_bytes_total{tier="host"}', 0.0) / 1e6,
+            d.get('siesta_kv_offload_store_bytes_total{tier="host"}', 0.0) / 1e6,
+            arm["warm_p50_s"],
+            arm["replay_p50_s"],
+        ])  # fmt: skip
+    print_table("replay after wake-up", ["arm", "external hits / queried", "load MB", "store MB", "warm p50 s",
+                                         "replay p50 s"], rows)  # fmt: skip
+    print(f"\nkept-tier replay is {result['speedup_p50']:.1f}x faster at p50 ({result['verdict']})")
