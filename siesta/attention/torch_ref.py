@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from siesta.attention.base import AttentionMetadata, KVCache
 
@@ -24,12 +25,6 @@ def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) ->
     """The first ``length`` tokens held by ``block_ids``: ``[length, kv_heads, head_dim]``."""
     blocks = cache[block_ids]  # [n, block_size, H, D]
     return blocks.reshape(-1, *blocks.shape[2:])[:length]
-
-
-def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """[L, kv_heads, D] -> [q_heads, L, D], each KV head shared by ``groups`` query heads."""
-    x = x.transpose(0, 1)
-    return x.repeat_interleave(groups, dim=0) if groups > 1 else x
 
 
 class TorchAttention:
@@ -59,28 +54,28 @@ class TorchAttention:
 
     def _prefill(self, q, k, v, kv_cache, layer_idx, meta, i, scale) -> torch.Tensor:
         q_len, ctx_len = q.shape[0], meta.seq_lens_cpu[i]
-        groups = q.shape[1] // k.shape[1]
         if ctx_len == q_len:
             # No cached prefix: the new K/V are the whole context, no gather needed.
-            ctx_k, ctx_v, causal, mask = k, v, True, None
+            ctx_k, ctx_v, mask = k, v, None
         else:
             k_cache, v_cache = kv_cache.layer(layer_idx)
             n_blocks = -(-ctx_len // kv_cache.block_size)
             ids = meta.block_tables[i, :n_blocks]
             ctx_k = gather_context(k_cache, ids, ctx_len)
             ctx_v = gather_context(v_cache, ids, ctx_len)
-            # Query j sits at position ctx_len - q_len + j and sees positions <= that.
-            mask = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device).tril(ctx_len - q_len)
-            causal = False
+            # Query j sits at position ctx_len - q_len + j: causal, aligned to the bottom right.
+            mask = causal_lower_right(q_len, ctx_len)
+        # [1, heads, tokens, dim] views; enable_gqa shares each KV head without copying it.
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).to(ctx_k.dtype),
-            _grouped(ctx_k, groups),
-            _grouped(ctx_v, groups),
+            q.transpose(0, 1)[None].to(ctx_k.dtype),
+            ctx_k.transpose(0, 1)[None],
+            ctx_v.transpose(0, 1)[None],
             attn_mask=mask,
-            is_causal=causal,
+            is_causal=mask is None,
             scale=scale,
+            enable_gqa=q.shape[1] != ctx_k.shape[1],
         )
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
     def _decode(self, q, kv_cache, layer_idx, meta, scale, rows: list[int], out: torch.Tensor) -> None:
         k_cache, v_cache = kv_cache.layer(layer_idx)

@@ -184,9 +184,7 @@ class EngineCore:
         tier transfers to finish."""
         if self._pending or self._connector_busy():
             return True
-        if self._pause_mode in ("abort", "keep") or self._sleep_level is not None:
-            return False
-        return self.scheduler.has_unfinished()
+        return self._scheduling_allowed() and self.scheduler.has_unfinished()
 
     # -- the step loop -----------------------------------------------------------------
 

@@ -1,0 +1,140 @@
+"""pause / resume / sleep / wake_up / reset_prefix_cache on a real (tiny) engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from siesta import LLM, SamplingParams
+from siesta.core.engine_core import EngineStateError
+
+PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+PROMPTS = [list(range(10, 10 + n)) for n in (40, 75, 130)]
+
+
+@pytest.fixture
+def llm():
+    return LLM("random:tiny-llama", dtype="float32", kv_cache_bytes=1 << 23, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = LLM("random:tiny-llama", dtype="float32", kv_cache_bytes=1 << 23, max_model_len=512)
+    return [o.outputs[0].token_ids for o in ref.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS,
+                                                          use_tqdm=False)]  # fmt: skip
+
+
+def start(llm: LLM, steps: int = 4) -> list[str]:
+    ids = [llm.add_request({"prompt_token_ids": p}, PARAMS) for p in PROMPTS]
+    for _ in range(steps):
+        llm.step()
+    return ids
+
+
+def finish(llm: LLM) -> dict[str, object]:
+    done = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_abort_ends_in_flight_requests_with_partial_output(llm):
+    ids = start(llm)
+    llm.pause(mode="abort")
+    assert llm.is_paused()
+    done = finish(llm)
+    assert all(done[i].outputs[0].finish_reason == "abort" for i in ids)
+    assert all(0 < len(done[i].outputs[0].token_ids) < 20 for i in ids)
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
+    llm.resume()
+
+
+def test_wait_returns_once_in_flight_requests_finish_and_holds_new_ones(llm, reference):
+    ids = start(llm)
+    llm.pause(mode="wait")
+    assert llm.is_paused()
+    outs = {o.request_id: o for o in llm.step()}
+    assert [outs[i].outputs[0].token_ids for i in ids] == reference
+    late = llm.add_request({"prompt_token_ids": PROMPTS[0]}, PARAMS)
+    for _ in range(3):
+        assert llm.step() == []  # held while paused
+    llm.resume()
+    assert finish(llm)[late].outputs[0].token_ids == reference[0]
+
+
+@pytest.mark.parametrize("clear_cache", [False, True])
+def test_keep_freezes_and_resumes_exactly(llm, reference, clear_cache):
+    ids = start(llm)
+    llm.pause(mode="keep", clear_cache=clear_cache)
+    for _ in range(3):
+        assert llm.step() == []
+    if clear_cache:  # the frozen requests were preempted: they recompute on resume
+        assert llm.engine.scheduler.num_running == 0
+    llm.resume()
+    done = finish(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == reference
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_sleep_levels_release_memory_and_resume_exactly(llm, reference, level):
+    ids = start(llm)
+    kv_bytes = llm.engine.memory.kv_bytes
+    llm.sleep(level=level, mode="keep")
+    assert llm.is_sleeping() and llm.is_paused()
+    kv_storage = llm.engine.runner.kv_cache.tensor.untyped_storage()
+    weight_storage = llm.engine.runner.model.model.embed_tokens.weight.untyped_storage()
+    assert (kv_storage.nbytes() == 0) == (level >= 1)
+    assert (weight_storage.nbytes() == 0) == (level >= 1)
+    released = llm.get_metrics()["siesta_device_bytes_released"]
+    assert released == (0 if level == 0 else kv_bytes + llm.engine.memory.weight_bytes)
+    with pytest.raises(EngineStateError, match="asleep"):
+        llm.resume()
+    llm.wake_up(["kv_cache"])
+    assert llm.is_sleeping() == (level >= 1)  # staged: the weights are still away (level 0 released nothing)
+    llm.wake_up(["weights"])  # level 2 had no backup: reloaded from the model source
+    assert not llm.is_sleeping() and not llm.is_paused()
+    done = finish(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == reference
+
+
+def test_sleep_in_wait_mode_releases_after_the_drain(llm, reference):
+    ids = start(llm)
+    llm.sleep(level=1, mode="wait")
+    assert llm.engine.runner.kv_cache.tensor.untyped_storage().nbytes() == 0
+    outs = {o.request_id: o for o in llm.step()}
+    assert [outs[i].outputs[0].token_ids for i in ids] == reference
+    llm.wake_up()
+    assert llm.generate({"prompt_token_ids": PROMPTS[1]}, PARAMS, use_tqdm=False)[0].outputs[0].token_ids == reference[1]
+
+
+def test_misuse_is_refused_clearly(llm):
+    with pytest.raises(ValueError, match="pause mode"):
+        llm.pause(mode="later")
+    with pytest.raises(ValueError, match="sleep level"):
+        llm.sleep(level=3)
+    llm.pause(mode="keep")
+    with pytest.raises(EngineStateError, match="already paused"):
+        llm.pause()
+    with pytest.raises(EngineStateError, match="paused or asleep"):
+        llm.generate("x", PARAMS, use_tqdm=False)
+    llm.resume()
+    llm.sleep(level=1)
+    with pytest.raises(ValueError, match="unknown wake_up tags"):
+        llm.wake_up(["everything"])
+    with pytest.raises(EngineStateError, match="wake_up"):
+        llm.update_weights([])
+    llm.wake_up()
+
+
+def test_reset_prefix_cache_with_running_requests(llm, reference):
+    ids = start(llm)
+    before = llm.get_metrics()["siesta_num_preemptions_total"]
+    assert llm.reset_prefix_cache(reset_running_requests=True)
+    assert llm.get_metrics()["siesta_num_preemptions_total"] == before + len(ids)
+    done = finish(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == reference
+    c0 = llm.get_metrics()["siesta_prefix_cache_hits_total"]
+    llm.reset_prefix_cache()
+    llm.generate({"prompt_token_ids": PROMPTS[2]}, PARAMS, use_tqdm=False)
+    assert llm.get_metrics()["siesta_prefix_cache_hits_total"] == c0
