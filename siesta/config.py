@@ -160,6 +160,48 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
 
+    @classmethod
+    def from_flags(
+        cls,
+        model: str | None = None,
+        tokenizer: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        kv_cache_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        enable_chunked_prefill: bool = True,
+        kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
+        device: str | None = None,
+        enforce_eager: bool = False,
+        attention_backend: str = "auto",
+        enable_sleep_mode: bool = True,
+    ) -> EngineConfig:
+        """The flat, vLLM-style engine arguments (``LLM(...)``, CLI flags) as a config."""
+        return cls(
+            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_bytes=kv_cache_bytes,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            kv_transfer=KVTransferConfig.from_any(kv_transfer_config),
+            device=device,
+            enforce_eager=enforce_eager,
+            attention_backend=attention_backend,
+            enable_sleep_mode=enable_sleep_mode,
+        )
+
     def torch_device(self) -> torch.device:
         if self.device is not None:
             return torch.device(self.device)

@@ -119,13 +119,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = random_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab, args.prompt_seed)
     print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.output_len} output tokens each; "
           f"dtype {llm.engine.runner.dtype}, device {llm.engine.runner.device}, {torch.get_num_threads()} threads")  # fmt: skip
-    result: dict[str, Any] = {"config": vars(args) | {"dtype_resolved": str(llm.engine.runner.dtype)}}
+    config = {k: v for k, v in vars(args).items() if not callable(v)}
+    result: dict[str, Any] = {"config": config | {"dtype_resolved": str(llm.engine.runner.dtype)}}
+    print("siesta arm ...", flush=True)
     result["siesta"] = _siesta_arm(llm, args, prompts, vocab)
+    print(f"siesta: {result['siesta']}", flush=True)
     source, dtype, device = llm.engine.source, llm.engine.runner.dtype, llm.engine.runner.device
     del llm
     gc.collect()
     if not args.skip_transformers:
         pad_id = (source.eos_token_ids or [0])[0]
+        print("transformers arm ...", flush=True)
         result["transformers"] = _hf_arm(_hf_model(source, dtype, device), args, prompts, vocab, pad_id)
     _report(result)
     write_json(args.json, result)

@@ -73,6 +73,7 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is not None:
                 outputs.append(self._finish(request, RequestStatus.FINISHED_ABORTED))
+        self._record_gauges()  # a paused engine does not schedule: refresh them here
         return outputs
 
     def fail_requests(self, request_ids: Iterable[str], error: str) -> list[EngineCoreOutput]:

@@ -35,6 +35,35 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in keys}
 
 
+def engine_config(args: argparse.Namespace):
+    """The EngineConfig the engine flags describe (what ``LLM(**engine_kwargs(args))`` builds)."""
+    from siesta.config import EngineConfig
+
+    return EngineConfig.from_flags(**engine_kwargs(args), enable_sleep_mode=getattr(args, "enable_sleep_mode", True))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from siesta.entrypoints.server.launch import run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    run_server(args, engine_config(args))
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="as --model; default: embedded SmolLM2")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other hosts")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None, help="names the API answers to (default: the model's)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set SIESTA_API_KEY)")
+    p.add_argument("--dev-mode", action="store_true", help="enable the control routes (or SIESTA_SERVER_DEV_MODE=1)")
+    p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _engine_args(p)
+
+
 def _generate(args: argparse.Namespace) -> None:
     from siesta import LLM, SamplingParams
 
@@ -66,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(gen)
     gen.set_defaults(func=_generate)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (+ control routes in dev mode)")
+    _serve_args(serve)
+    serve.set_defaults(func=_serve)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from siesta.bench import throughput
@@ -74,6 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_arguments(tp)
     _engine_args(tp)
     tp.set_defaults(func=throughput.run)
+
+    from siesta.bench import resume, resume_offline
+    from siesta.bench import serve as serve_bench
+
+    rs = bench_sub.add_parser("resume", help="does the KV tier survive sleep? in-process, or over HTTP with --url")
+    resume_offline.add_arguments(rs)
+    resume.add_arguments(rs)
+    _engine_args(rs)
+    rs.set_defaults(func=resume_offline.run)
+    sv = bench_sub.add_parser("serve", help="online serving: TTFT, TPOT, ITL, throughput of any OpenAI server")
+    serve_bench.add_arguments(sv)
+    sv.set_defaults(func=serve_bench.run)
     return parser
 
 

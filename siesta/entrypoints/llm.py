@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from siesta.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from siesta.config import EngineConfig, KVTransferConfig
 from siesta.core.engine_core import EngineCore, EngineCoreRequest, EngineStateError
 from siesta.metrics import MetricsRegistry
 from siesta.output_processor import OutputProcessor
@@ -42,26 +42,14 @@ class LLM:
         attention_backend: str = "auto",
         enable_sleep_mode: bool = True,
     ) -> None:
-        scheduler = SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            enable_chunked_prefill=enable_chunked_prefill,
-        )
-        self.config = EngineConfig(
-            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_bytes=kv_cache_bytes,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=scheduler,
-            kv_transfer=KVTransferConfig.from_any(kv_transfer_config),
-            device=device,
-            enforce_eager=enforce_eager,
-            attention_backend=attention_backend,
-            enable_sleep_mode=enable_sleep_mode,
-        )
+        self.config = EngineConfig.from_flags(
+            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
+            kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching, seed=seed, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill,
+            kv_transfer_config=kv_transfer_config, device=device, enforce_eager=enforce_eager,
+            attention_backend=attention_backend, enable_sleep_mode=enable_sleep_mode,
+        )  # fmt: skip
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.source.load_tokenizer()
         self.metrics = MetricsRegistry()

@@ -1,0 +1,71 @@
+"""The FastAPI application: OpenAI routes, info routes, dev-mode control routes, API key."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from transformers import PreTrainedTokenizerBase
+
+from siesta import __version__
+from siesta.config import EngineConfig
+from siesta.entrypoints.server import chat, completions, dev_routes, info_routes
+from siesta.entrypoints.server.async_llm import AsyncLLM
+from siesta.entrypoints.server.auth import ApiKeyMiddleware
+from siesta.entrypoints.server.errors import install_error_handlers
+from siesta.entrypoints.server.jsonio import AsciiJSONResponse
+from siesta.entrypoints.server.state import ServerConfig, ServerState
+from siesta.ipc.client import EngineCoreClient
+from siesta.model.loader import resolve_model
+
+EngineStarter = Callable[[], Awaitable[tuple[EngineCoreClient, PreTrainedTokenizerBase | None]]]
+
+
+def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
+    """The app; the engine starts with the app's lifespan and stops with it."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        core, tokenizer = await start_engine()
+        app.state.siesta = ServerState(config, core, AsyncLLM(core, tokenizer))
+        try:
+            yield
+        finally:
+            await core.shutdown()
+
+    app = FastAPI(title="siesta", version=__version__, lifespan=lifespan, default_response_class=AsciiJSONResponse)
+    install_error_handlers(app)
+    app.include_router(info_routes.router)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    if config.dev_mode:
+        app.include_router(dev_routes.router)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+def engine_starter(engine_config: EngineConfig) -> EngineStarter:
+    """Spawns the engine core and, meanwhile, loads the tokenizer in this process."""
+
+    async def start() -> tuple[EngineCoreClient, PreTrainedTokenizerBase | None]:
+        tokenizer = asyncio.create_task(asyncio.to_thread(load_tokenizer, engine_config))
+        try:
+            core = await EngineCoreClient.start(engine_config)
+        except BaseException:
+            tokenizer.cancel()
+            raise
+        try:
+            return core, await tokenizer
+        except BaseException:
+            await core.shutdown()
+            raise
+
+    return start
+
+
+def load_tokenizer(engine_config: EngineConfig) -> PreTrainedTokenizerBase | None:
+    model = engine_config.model
+    return resolve_model(model.model, model.seed, model.tokenizer).load_tokenizer()

@@ -1,0 +1,113 @@
+"""POST /v1/chat/completions: messages through the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from siesta.entrypoints.server.async_llm import Choice
+from siesta.entrypoints.server.disconnect import abort_on_disconnect
+from siesta.entrypoints.server.generation_io import EVENT_STREAM, collect, sampling_error, stream_events
+from siesta.entrypoints.server.jsonio import AsciiJSONResponse
+from siesta.entrypoints.server.prompts import chat_prompt
+from siesta.entrypoints.server.protocol import ChatCompletionRequest
+from siesta.entrypoints.server.responses import json_logprob, token_text, top_entries, usage
+from siesta.entrypoints.server.sampling_params import chat_params
+from siesta.entrypoints.server.state import request_id, server_state
+from siesta.output_processor import OutputProcessor
+from siesta.request import Logprob
+
+router = APIRouter()
+OBJECT = "chat.completion"
+CHUNK_OBJECT = "chat.completion.chunk"
+ID_PREFIX = "chatcmpl"
+ROLE = "assistant"
+
+
+@dataclass
+class Meta:
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, choices: list[dict[str, Any]], obj: str = CHUNK_OBJECT) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    model = state.check_model(body.model)
+    try:
+        params = chat_params(body)
+    except ValueError as e:
+        raise sampling_error(e) from None
+    prompt = chat_prompt(state.llm.tokenizer, body.messages, body.add_generation_prompt)
+    meta = Meta(request_id(request, ID_PREFIX), model)
+    generation = await state.llm.generate(meta.id, [prompt], params, body.cache_salt)
+    abort_on_disconnect(request, generation)
+    if body.stream:
+        events = stream_events(generation, _DeltaWriter(meta).chunks, meta.envelope, body.stream_options)
+        return StreamingResponse(events, media_type=EVENT_STREAM, background=BackgroundTask(generation.close))
+    await collect(generation)
+    choices = [_choice(c) for c in generation.choices]
+    return AsciiJSONResponse(meta.envelope(choices, OBJECT) | {"usage": usage(generation)})
+
+
+def _choice(choice: Choice) -> dict[str, Any]:
+    out = OutputProcessor.completion(choice.state)
+    return {
+        "index": choice.index,
+        "message": {"role": ROLE, "content": out.text},
+        "logprobs": _logprobs(choice, out.token_ids, out.logprobs),
+        "finish_reason": choice.state.finish_reason,
+        "stop_reason": choice.state.stop_reason,
+    }
+
+
+class _DeltaWriter:
+    """Streaming deltas; a choice's first delta carries the role."""
+
+    def __init__(self, meta: Meta) -> None:
+        self.meta = meta
+        self.started: set[int] = set()
+
+    def chunks(self, changed: list[Choice]) -> list[dict[str, Any]]:
+        out = []
+        for choice in changed:
+            delta = OutputProcessor.completion(choice.state, delta=True)
+            first = choice.index not in self.started
+            if not (first or delta.text or delta.token_ids or delta.finish_reason):
+                continue
+            self.started.add(choice.index)
+            message: dict[str, Any] = {"role": ROLE, "content": delta.text} if first else {"content": delta.text}
+            entry = {
+                "index": choice.index,
+                "delta": message,
+                "logprobs": _logprobs(choice, delta.token_ids, delta.logprobs),
+                "finish_reason": choice.state.finish_reason,
+                "stop_reason": choice.state.stop_reason,
+            }
+            out.append(self.meta.envelope([entry]))
+        return out
+
+
+def _logprobs(choice: Choice, token_ids: list[int], entries: list[dict[int, Logprob]] | None) -> dict[str, Any] | None:
+    if entries is None:
+        return None
+    limit = choice.state.params.logprobs or 0
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        top = [_token_json(tid, lp) for tid, lp in top_entries(entry, limit)]
+        content.append(_token_json(token_id, entry[token_id]) | {"top_logprobs": top})
+    return {"content": content}
+
+
+def _token_json(token_id: int, entry: Logprob) -> dict[str, Any]:
+    text = token_text(entry, token_id)
+    return {"token": text, "logprob": json_logprob(entry.logprob), "bytes": list(text.encode("utf-8", "replace"))}

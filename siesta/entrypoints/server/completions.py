@@ -1,0 +1,111 @@
+"""POST /v1/completions: prompts as text or token ids, streamed (SSE) or not."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from siesta.entrypoints.server.async_llm import Choice
+from siesta.entrypoints.server.disconnect import abort_on_disconnect
+from siesta.entrypoints.server.generation_io import EVENT_STREAM, collect, sampling_error, stream_events
+from siesta.entrypoints.server.jsonio import AsciiJSONResponse
+from siesta.entrypoints.server.prompts import completion_prompts
+from siesta.entrypoints.server.protocol import CompletionRequest
+from siesta.entrypoints.server.responses import json_logprob, token_text, usage
+from siesta.entrypoints.server.sampling_params import completion_params
+from siesta.entrypoints.server.state import request_id, server_state
+from siesta.output_processor import OutputProcessor
+
+router = APIRouter()
+OBJECT = "text_completion"
+ID_PREFIX = "cmpl"
+
+
+@dataclass
+class Meta:
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": OBJECT, "created": self.created, "model": self.model, "choices": choices}
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    model = state.check_model(body.model)
+    try:
+        params = completion_params(body)
+    except ValueError as e:
+        raise sampling_error(e) from None
+    prompts = completion_prompts(state.llm.tokenizer, body.prompt, state.info.vocab_size)
+    meta = Meta(request_id(request, ID_PREFIX), model)
+    generation = await state.llm.generate(meta.id, prompts, params, body.cache_salt)
+    abort_on_disconnect(request, generation)
+    if body.stream:
+        writer = _ChunkWriter(meta)
+        events = stream_events(generation, writer.chunks, meta.envelope, body.stream_options)
+        return StreamingResponse(events, media_type=EVENT_STREAM, background=BackgroundTask(generation.close))
+    await collect(generation)
+    return AsciiJSONResponse(
+        meta.envelope([_choice(c, _LogprobWriter()) for c in generation.choices]) | {"usage": usage(generation)}
+    )
+
+
+def _choice(choice: Choice, logprobs: _LogprobWriter) -> dict[str, Any]:
+    out = OutputProcessor.completion(choice.state)
+    return _choice_json(choice, out.text, out.token_ids, out.logprobs, logprobs)
+
+
+def _choice_json(choice: Choice, text: str, token_ids: list[int], entries, logprobs: _LogprobWriter) -> dict[str, Any]:
+    state = choice.state
+    return {
+        "index": choice.index,
+        "text": text,
+        "logprobs": None if entries is None else logprobs.format(token_ids, entries),
+        "finish_reason": state.finish_reason,
+        "stop_reason": state.stop_reason,
+    }
+
+
+class _ChunkWriter:
+    """Streaming deltas; keeps each choice's text offset for its logprobs."""
+
+    def __init__(self, meta: Meta) -> None:
+        self.meta = meta
+        self.logprobs: dict[int, _LogprobWriter] = {}
+
+    def chunks(self, changed: list[Choice]) -> list[dict[str, Any]]:
+        out = []
+        for choice in changed:
+            delta = OutputProcessor.completion(choice.state, delta=True)
+            if not (delta.text or delta.token_ids or delta.finish_reason):
+                continue
+            writer = self.logprobs.setdefault(choice.index, _LogprobWriter())
+            out.append(self.meta.envelope([_choice_json(choice, delta.text, delta.token_ids, delta.logprobs, writer)]))
+        return out
+
+
+class _LogprobWriter:
+    """OpenAI's legacy logprobs object: tokens, their logprobs, top alternatives, text offsets."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def format(self, token_ids: list[int], entries: list) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries):
+            sampled = entry[token_id]
+            text = token_text(sampled, token_id)
+            tokens.append(text)
+            token_logprobs.append(json_logprob(sampled.logprob))
+            top.append({token_text(lp, tid): json_logprob(lp.logprob) for tid, lp in entry.items()})
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

@@ -1,0 +1,97 @@
+"""Control routes (dev mode only): sleep, wake up, pause, resume, caches, weights, aborts.
+
+Names and defaults are the engine's; ``clear_connector_cache`` defaults to true everywhere.
+A pause or sleep with ``mode=wait`` answers once the in-flight requests have finished.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+
+from siesta.entrypoints.server.protocol import AbortRequestsRequest, UpdateWeightsRequest
+from siesta.entrypoints.server.query_types import MAX_SLEEP_LEVEL, MIN_SLEEP_LEVEL, PauseMode, QueryBool, WakeTag
+from siesta.entrypoints.server.state import server_state
+from siesta.ipc.client import EngineCoreClient
+
+router = APIRouter(tags=["dev"])
+SleepLevel = Annotated[int, Query(ge=MIN_SLEEP_LEVEL, le=MAX_SLEEP_LEVEL)]
+
+
+def _core(request: Request) -> EngineCoreClient:
+    return server_state(request).core
+
+
+def _ok() -> Response:
+    return Response(status_code=200)
+
+
+@router.post("/sleep")
+async def sleep(
+    request: Request, level: SleepLevel = 1, mode: PauseMode = "abort", clear_connector_cache: QueryBool = True
+) -> Response:
+    await _core(request).sleep(level, mode, clear_connector_cache)
+    return _ok()
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request, tags: Annotated[list[WakeTag] | None, Query()] = None) -> Response:
+    await _core(request).wake_up(None if tags is None else list(tags))
+    return _ok()
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> dict[str, bool]:
+    return {"is_sleeping": await _core(request).is_sleeping()}
+
+
+@router.post("/pause")
+async def pause(
+    request: Request, mode: PauseMode = "abort", clear_cache: QueryBool = True, clear_connector_cache: QueryBool = True
+) -> Response:
+    await _core(request).pause(mode, clear_cache, clear_connector_cache)
+    return _ok()
+
+
+@router.post("/resume")
+async def resume(request: Request) -> Response:
+    await _core(request).resume()
+    return _ok()
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> dict[str, bool]:
+    return {"is_paused": await _core(request).is_paused()}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(
+    request: Request, reset_running_requests: QueryBool = False, reset_external: QueryBool = False
+) -> Response:
+    await _core(request).reset_prefix_cache(reset_running_requests, reset_connector=reset_external)
+    return _ok()
+
+
+@router.post("/update_weights")
+async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict[str, str]:
+    version = None if body.weight_version is None else str(body.weight_version)
+    return {"weight_version": await _core(request).update_weights(body.model_path, version)}
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(request: Request) -> Response:
+    await _core(request).finish_weight_update()
+    return _ok()
+
+
+@router.get("/weight_version")
+async def weight_version(request: Request) -> dict[str, str]:
+    return {"weight_version": (await _core(request).get_info()).weight_version}
+
+
+@router.post("/abort_requests")
+async def abort_requests(body: AbortRequestsRequest, request: Request) -> Response:
+    await server_state(request).llm.abort(body.request_ids)
+    return _ok()

@@ -1,0 +1,123 @@
+"""Every error leaves the server as OpenAI's JSON shape: ``{"error": {message, type, param, code}}``.
+
+Engine errors map to statuses by type: bad arguments (ValueError, a refused retention, a
+rejected request) are 400, a control call at the wrong time (EngineStateError) 409, a dead
+engine core 503. Validation of a JSON body is 400, as vLLM answers it (OpenAI clients raise
+BadRequestError); validation of query parameters is 422, FastAPI's convention.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from siesta.core.engine_core import EngineStateError
+from siesta.entrypoints.server.jsonio import AsciiJSONResponse
+from siesta.ipc.remote_errors import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+_VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix for a validator's ValueError
+_BODY = "body"
+
+
+class APIError(Exception):
+    """An error with its HTTP status, raised by route code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_type(status: int) -> str:
+    """OpenAI-style type names: BadRequestError, NotFoundError, ..."""
+    if status == HTTPStatus.UNPROCESSABLE_ENTITY:  # Python 3.13 renamed its phrase
+        return "UnprocessableEntityError"
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Server" if status >= HTTPStatus.INTERNAL_SERVER_ERROR else "Client"
+    name = phrase.title().replace(" ", "").replace("-", "")
+    return name if name.endswith("Error") else name + "Error"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None) -> AsciiJSONResponse:
+    return AsciiJSONResponse(error_body(status, message, param), status_code=status)
+
+
+def status_for(exc: BaseException) -> int:
+    """The HTTP status of an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc.status
+    if isinstance(exc, EngineDeadError):
+        return HTTPStatus.SERVICE_UNAVAILABLE
+    if isinstance(exc, EngineStateError):
+        return HTTPStatus.CONFLICT
+    if isinstance(exc, NotImplementedError):
+        return HTTPStatus.NOT_IMPLEMENTED
+    if isinstance(exc, ValueError):  # RequestRejected, ConnectorRetentionError, ConfigError, ...
+        return HTTPStatus.BAD_REQUEST
+    return HTTPStatus.INTERNAL_SERVER_ERROR
+
+
+def param_of(message: str, fields: set[str]) -> str | None:
+    """The parameter an engine message names first (SamplingParams starts with the field)."""
+    first = message.split(" ", 1)[0].rstrip(":,")
+    return first if first in fields else None
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None, bool]:
+    """(message naming each bad parameter, the first one, whether any error is in the body)."""
+    parts: list[str] = []
+    first: str | None = None
+    in_body = False
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ())]
+        in_body = in_body or (bool(loc) and loc[0] == _BODY)
+        name = ".".join(loc[1:]) if len(loc) > 1 else (loc[0] if loc else "request")
+        message = str(err.get("msg", "invalid")).removeprefix(_VALUE_ERROR_PREFIX)
+        if err.get("type") == "json_invalid":
+            name, message = _BODY, f"the body is not valid JSON: {err.get('ctx', {}).get('error', message)}"
+        parts.append(f"{name}: {message}")
+        first = first or name
+    return "; ".join(parts) or "invalid request", first, in_body
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> AsciiJSONResponse:
+        message, param, in_body = validation_message(exc)
+        status = HTTPStatus.BAD_REQUEST if in_body else HTTPStatus.UNPROCESSABLE_ENTITY
+        return error_response(status, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> AsciiJSONResponse:
+        body = error_body(exc.status_code, str(exc.detail))
+        return AsciiJSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> AsciiJSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    for cls in (EngineDeadError, EngineStateError, NotImplementedError, ValueError):
+        app.add_exception_handler(cls, _engine_error)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> AsciiJSONResponse:
+        logger.exception("unexpected error serving %s %s", request.method, request.url.path)
+        return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def _engine_error(_: Request, exc: Exception) -> AsciiJSONResponse:
+    return error_response(status_for(exc), str(exc))

@@ -1,0 +1,36 @@
+"""``siesta serve``: settings from the command line, then uvicorn until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import uvicorn
+
+from siesta.config import EngineConfig
+from siesta.entrypoints.server.app import build_app, engine_starter
+from siesta.entrypoints.server.state import API_KEY_ENV, ServerConfig, dev_mode_from_env
+
+# Streams still open at Ctrl-C get this long before the server closes them.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        served_model_names=list(args.served_model_name or []),
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        dev_mode=args.dev_mode or dev_mode_from_env(),
+        model_path=args.model,
+    )
+
+
+def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = server_config(args)
+    if config.dev_mode:
+        logging.getLogger(__name__).warning("dev mode: the control routes (/sleep, /pause, ...) are enabled")
+    app = build_app(config, engine_starter(engine_config))
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+    )

@@ -1,0 +1,94 @@
+"""Prompts of a request body as token ids, checked against the vocabulary before they travel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from siesta.entrypoints.server.errors import APIError
+from siesta.entrypoints.server.protocol import MAX_PROMPTS, ChatMessage, PromptInput
+from siesta.tokenizer import chat_to_ids, encode
+
+_BAD_REQUEST = 400
+_TEXT_PART = "text"
+
+
+@dataclass
+class TokenizedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+def completion_prompts(
+    tokenizer: PreTrainedTokenizerBase | None, prompt: PromptInput, vocab_size: int
+) -> list[TokenizedPrompt]:
+    """A string, strings, token ids or lists of token ids -> one TokenizedPrompt each."""
+    items = _as_list(prompt)
+    if not items:
+        raise APIError(_BAD_REQUEST, "prompt must not be empty", "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise APIError(_BAD_REQUEST, f"prompt holds {len(items)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(TokenizedPrompt(item, _encode(tokenizer, item)))
+        else:
+            out.append(TokenizedPrompt(None, _check_ids(item, vocab_size)))
+    return out
+
+
+def _as_list(prompt: PromptInput) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return [list(prompt)]  # one prompt of token ids
+    return list(prompt)
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase | None, text: str) -> list[int]:
+    if tokenizer is None:
+        raise APIError(_BAD_REQUEST, "this model has no tokenizer: send the prompt as token ids", "prompt")
+    try:
+        return encode(tokenizer, text)
+    except Exception as e:  # noqa: BLE001 - tokenizers raise many types on odd text (lone surrogates, ...)
+        raise APIError(_BAD_REQUEST, f"cannot tokenize the prompt: {e}", "prompt") from None
+
+
+def _check_ids(ids: list[int], vocab_size: int) -> list[int]:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(_BAD_REQUEST, f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", "prompt")
+    return list(ids)
+
+
+def chat_prompt(
+    tokenizer: PreTrainedTokenizerBase | None, messages: list[ChatMessage], add_generation_prompt: bool
+) -> TokenizedPrompt:
+    if tokenizer is None:
+        raise APIError(_BAD_REQUEST, "this model has no tokenizer, so it has no chat template: use /v1/completions")
+    conversation = [_message_dict(m) for m in messages]
+    try:
+        ids = chat_to_ids(tokenizer, conversation, add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - a template may reject a conversation with any error type
+        raise APIError(_BAD_REQUEST, f"cannot apply the chat template: {e}", "messages") from None
+    return TokenizedPrompt(None, ids)
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": message.role, "content": _content_text(message.content)}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _content_text(content: str | list | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.type != _TEXT_PART or part.text is None:
+            raise APIError(_BAD_REQUEST, f"only text content parts are supported, got {part.type!r}", "messages")
+        parts.append(part.text)
+    return "\n".join(parts)

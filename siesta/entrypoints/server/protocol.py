@@ -1,0 +1,81 @@
+"""Request bodies of the OpenAI routes, with the extra sampling fields vLLM accepts.
+
+The models check types only; value ranges are checked once, by ``SamplingParams``, whose
+errors name the field (a 400). Unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+# One HTTP request fans out into prompts x n engine requests; this bounds the fan-out.
+MAX_CHOICES = 128
+MAX_PROMPTS = 1024
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(BaseModel):
+    """Fields both routes share: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None  # None: the served model
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    cache_salt: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: int | None = 16
+    logprobs: int | None = None  # top-n alternatives per token
+
+
+class ContentPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_path: str
+    weight_version: str | int | None = None  # None: the next version
+
+
+class AbortRequestsRequest(BaseModel):
+    request_ids: list[str]

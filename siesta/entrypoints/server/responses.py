@@ -1,0 +1,40 @@
+"""Pieces both OpenAI routes share: usage, logprob values JSON can carry, token texts."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from siesta.entrypoints.server.async_llm import Generation
+from siesta.request import Logprob
+
+# JSON has no -inf; vLLM reports impossible tokens at this value.
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def usage(generation: Generation) -> dict[str, Any]:
+    prompt_tokens = sum(len(p.token_ids) for p in generation.prompts)
+    completion_tokens = sum(len(c.state.token_ids) for c in generation.choices)
+    # Each prompt's cache hits, counted once (its first choice), as its tokens are.
+    cached = sum(max(c.state.num_cached_tokens, 0) for c in generation.choices[:: generation.n])
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def token_text(entry: Logprob, token_id: int) -> str:
+    """A token as text; without a tokenizer, vLLM's ``token_id:<id>`` form."""
+    return entry.decoded_token if entry.decoded_token is not None else f"token_id:{token_id}"
+
+
+def top_entries(entries: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
+    """The ``limit`` best alternatives by rank (the sampled token is reported separately)."""
+    ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+    return ranked[:limit]

@@ -1,0 +1,63 @@
+"""Request body -> ``SamplingParams``: OpenAI's defaults where the body leaves a field out."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from siesta.entrypoints.server.errors import APIError
+from siesta.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from siesta.sampling import SamplingParams
+
+# OpenAI's defaults for fields a body may send as null.
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+TOP_K_OFF = 0
+DEFAULT_MIN_P = 0.0
+DEFAULT_REPETITION_PENALTY = 1.0
+DEFAULT_ADDITIVE_PENALTY = 0.0
+_BAD_REQUEST = 400
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _common(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
+        n=body.n,
+        temperature=_or(body.temperature, DEFAULT_TEMPERATURE),
+        top_p=_or(body.top_p, DEFAULT_TOP_P),
+        top_k=_or(body.top_k, TOP_K_OFF),
+        min_p=_or(body.min_p, DEFAULT_MIN_P),
+        seed=body.seed,
+        presence_penalty=_or(body.presence_penalty, DEFAULT_ADDITIVE_PENALTY),
+        frequency_penalty=_or(body.frequency_penalty, DEFAULT_ADDITIVE_PENALTY),
+        repetition_penalty=_or(body.repetition_penalty, DEFAULT_REPETITION_PENALTY),
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=body.stop,
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+
+
+def completion_params(body: CompletionRequest) -> SamplingParams:
+    return _common(body, body.max_tokens, body.logprobs)
+
+
+def chat_params(body: ChatCompletionRequest) -> SamplingParams:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(_BAD_REQUEST, "top_logprobs needs logprobs=true", "top_logprobs")
+    logprobs = _or(body.top_logprobs, 0) if body.logprobs else None
+    max_tokens = _or(body.max_completion_tokens, body.max_tokens)
+    return _common(body, max_tokens, logprobs)
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The ``index``-th of n samples: one output each, and a seed of its own so they differ."""
+    seed = None if params.seed is None else params.seed + index
+    return dataclasses.replace(params, n=1, seed=seed)

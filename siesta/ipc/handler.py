@@ -1,0 +1,141 @@
+"""What each call does to the engine core, kept apart from sockets so it is testable in-process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from siesta.ipc.protocol import (
+    AbortRequests,
+    AddRequest,
+    CoreCall,
+    EngineInfo,
+    FinishWeightUpdate,
+    GetInfo,
+    IsPaused,
+    IsSleeping,
+    Pause,
+    ResetPrefixCache,
+    Resume,
+    Shutdown,
+    Sleep,
+    UpdateWeights,
+    WakeUp,
+)
+
+WAIT_MODE = "wait"
+
+
+class Engine(Protocol):
+    """The part of ``EngineCore`` the calls reach (a fake stands in for it in tests)."""
+
+    weight_version: str
+
+    def has_work(self) -> bool: ...
+    def step(self) -> Any: ...
+    def add_request(self, req: Any) -> None: ...
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+    def pause(self, mode: str = ..., clear_cache: bool = ..., clear_connector_cache: bool = ...) -> None: ...
+    def resume(self) -> None: ...
+    def is_paused(self) -> bool: ...
+    def sleep(self, level: int = ..., mode: str = ..., clear_connector_cache: bool = ...) -> None: ...
+    def wake_up(self, tags: list[str] | None = ...) -> None: ...
+    def is_sleeping(self) -> bool: ...
+    def reset_prefix_cache(self, reset_running_requests: bool = ..., reset_connector: bool = ...) -> bool: ...
+    def update_weights(self, weights_or_path: Any, weight_version: str | None = ...) -> str: ...
+    def finish_weight_update(self) -> None: ...
+
+
+@dataclass
+class Outcome:
+    """A call's result; ``ready`` set means the reply waits until it returns True (a draining pause)."""
+
+    result: Any = None
+    ready: Callable[[], bool] | None = None
+    # Whether a pause or sleep that waits on in-flight requests may be over (resume, wake-up).
+    ends_pauses: bool = False
+
+
+class CallHandler:
+    def __init__(self, engine: Engine, info: Callable[[], EngineInfo]) -> None:
+        self.engine = engine
+        self.info = info
+        self.stopping = False
+        self._table: dict[type[CoreCall], Callable[[Any], Outcome]] = {
+            AddRequest: self._add,
+            AbortRequests: self._abort,
+            Pause: self._pause,
+            Resume: self._resume,
+            IsPaused: lambda _: Outcome(self.engine.is_paused()),
+            Sleep: self._sleep,
+            WakeUp: self._wake_up,
+            IsSleeping: lambda _: Outcome(self.engine.is_sleeping()),
+            ResetPrefixCache: self._reset_prefix_cache,
+            UpdateWeights: self._update_weights,
+            FinishWeightUpdate: self._finish_weight_update,
+            GetInfo: lambda _: Outcome(self.info()),
+            Shutdown: self._shutdown,
+        }
+
+    def handle(self, call: CoreCall) -> Outcome:
+        """Runs one call; exceptions propagate to the caller, which sends them back typed."""
+        return self._table[type(call)](call)
+
+    def _add(self, call: AddRequest) -> Outcome:
+        self.engine.add_request(call.request)
+        return Outcome()
+
+    def _abort(self, call: AbortRequests) -> Outcome:
+        self.engine.abort_requests(list(call.request_ids))
+        return Outcome()
+
+    def _pause(self, call: Pause) -> Outcome:
+        self.engine.pause(call.mode, call.clear_cache, call.clear_connector_cache)
+        return self._maybe_deferred(call.mode)
+
+    def _resume(self, _: Resume) -> Outcome:
+        self.engine.resume()
+        return Outcome(ends_pauses=True)
+
+    def _sleep(self, call: Sleep) -> Outcome:
+        self.engine.sleep(call.level, call.mode, call.clear_connector_cache)
+        return self._maybe_deferred(call.mode)
+
+    def _wake_up(self, call: WakeUp) -> Outcome:
+        self.engine.wake_up(None if call.tags is None else list(call.tags))
+        return Outcome(ends_pauses=True)
+
+    def _maybe_deferred(self, mode: str) -> Outcome:
+        # A waiting pause completes in a later step, once in-flight requests finish.
+        if mode == WAIT_MODE and not self.engine.is_paused():
+            return Outcome(ready=self.engine.is_paused)
+        return Outcome()
+
+    def _reset_prefix_cache(self, call: ResetPrefixCache) -> Outcome:
+        return Outcome(self.engine.reset_prefix_cache(call.reset_running_requests, call.reset_connector))
+
+    def _update_weights(self, call: UpdateWeights) -> Outcome:
+        return Outcome(self.engine.update_weights(call.model_path, call.weight_version))
+
+    def _finish_weight_update(self, _: FinishWeightUpdate) -> Outcome:
+        self.engine.finish_weight_update()
+        return Outcome()
+
+    def _shutdown(self, _: Shutdown) -> Outcome:
+        self.stopping = True
+        return Outcome()
+
+
+def engine_info(engine: Any) -> EngineInfo:
+    """The loaded model as the server sees it."""
+    return EngineInfo(
+        model_name=engine.source.name,
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.vocab_size,
+        block_size=engine.config.cache.block_size,
+        num_blocks=engine.kv.pool.num_blocks,
+        weight_version=engine.weight_version,
+        pid=os.getpid(),
+    )

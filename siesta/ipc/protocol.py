@@ -1,0 +1,185 @@
+"""The messages between the API server and the engine-core process (msgpack, via msgspec).
+
+Compatibility rules, which every struct here follows:
+
+- ``omit_defaults=True``: a field that holds its default is not sent. A newer sender that
+  leaves a new option at its default produces the bytes an older receiver already decodes.
+- A field missing from the bytes decodes as its default, and unknown fields are ignored, so a
+  newer receiver accepts an older sender's messages.
+- The server wraps each call as ``Call(call_id, body)`` with the body left raw, and the core
+  decodes the body in a second pass: an operation the core does not know is answered with an
+  error ``Reply`` instead of breaking the stream.
+
+Server -> core: ``Call`` whose body is one ``CoreCall``. Core -> server: one ``CoreMessage``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from siesta.core.engine_core import EngineCoreRequest
+from siesta.metrics import StatsSnapshot
+from siesta.request import EngineCoreOutput
+
+
+class Call(msgspec.Struct, omit_defaults=True):
+    """Envelope of every server -> core message; ``body`` is an encoded ``CoreCall``."""
+
+    call_id: int
+    body: msgspec.Raw
+
+
+# -- calls (server -> core) ------------------------------------------------------------
+
+
+class CoreCall(msgspec.Struct, tag_field="op", omit_defaults=True):
+    """Base of the operations the core performs; ``op`` names each on the wire."""
+
+
+class AddRequest(CoreCall, tag="add", omit_defaults=True):
+    request: EngineCoreRequest
+
+
+class AbortRequests(CoreCall, tag="abort", omit_defaults=True):
+    request_ids: list[str] = []
+
+
+class Pause(CoreCall, tag="pause", omit_defaults=True):
+    mode: str = "abort"
+    clear_cache: bool = True
+    clear_connector_cache: bool = True
+
+
+class Resume(CoreCall, tag="resume", omit_defaults=True):
+    pass
+
+
+class IsPaused(CoreCall, tag="is_paused", omit_defaults=True):
+    pass
+
+
+class Sleep(CoreCall, tag="sleep", omit_defaults=True):
+    level: int = 1
+    mode: str = "abort"
+    clear_connector_cache: bool = True
+
+
+class WakeUp(CoreCall, tag="wake_up", omit_defaults=True):
+    tags: list[str] | None = None  # None: weights and KV cache
+
+
+class IsSleeping(CoreCall, tag="is_sleeping", omit_defaults=True):
+    pass
+
+
+class ResetPrefixCache(CoreCall, tag="reset_prefix_cache", omit_defaults=True):
+    reset_running_requests: bool = False
+    reset_connector: bool = False
+
+
+class UpdateWeights(CoreCall, tag="update_weights", omit_defaults=True):
+    model_path: str
+    weight_version: str | None = None  # None: the next version
+
+
+class FinishWeightUpdate(CoreCall, tag="finish_weight_update", omit_defaults=True):
+    pass
+
+
+class GetInfo(CoreCall, tag="get_info", omit_defaults=True):
+    pass
+
+
+class Shutdown(CoreCall, tag="shutdown", omit_defaults=True):
+    pass
+
+
+CoreCallUnion = (
+    AddRequest | AbortRequests | Pause | Resume | IsPaused | Sleep | WakeUp | IsSleeping
+    | ResetPrefixCache | UpdateWeights | FinishWeightUpdate | GetInfo | Shutdown
+)  # fmt: skip
+
+
+# -- messages (core -> server) -----------------------------------------------------------
+
+
+class EngineInfo(msgspec.Struct, omit_defaults=True):
+    """What the server needs to know about the loaded model; sent once the core is ready."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_blocks: int
+    weight_version: str = "0"
+    pid: int = 0
+
+
+class RemoteError(msgspec.Struct, omit_defaults=True):
+    """An exception raised in the core: its (known) type name and its message."""
+
+    type: str
+    message: str
+
+
+class CoreMessage(msgspec.Struct, tag_field="kind", omit_defaults=True):
+    """Base of what the core sends; ``kind`` names each on the wire."""
+
+
+class Ready(CoreMessage, tag="ready", omit_defaults=True):
+    info: EngineInfo
+
+
+class StepOutputs(CoreMessage, tag="outputs", omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: StatsSnapshot = msgspec.field(default_factory=StatsSnapshot)
+
+
+class Reply(CoreMessage, tag="reply", omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: RemoteError | None = None
+
+
+class Fatal(CoreMessage, tag="fatal", omit_defaults=True):
+    """The core is about to exit (startup failed, or its loop broke)."""
+
+    error: RemoteError
+
+
+CoreMessageUnion = Ready | StepOutputs | Reply | Fatal
+
+
+class CallCodec:
+    """Encodes calls on the server side, decodes them in two passes on the core side."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._envelope = msgspec.msgpack.Decoder(Call)
+        self._body = msgspec.msgpack.Decoder(CoreCallUnion)
+
+    def encode(self, call_id: int, body: CoreCall) -> bytes:
+        return self._encoder.encode(Call(call_id=call_id, body=msgspec.Raw(self._encoder.encode(body))))
+
+    def decode_envelope(self, data: bytes) -> Call:
+        return self._envelope.decode(data)
+
+    def decode_body(self, call: Call) -> CoreCall:
+        """Raises ``msgspec.ValidationError`` for an operation (or arguments) this side does not know."""
+        return self._body.decode(call.body)
+
+
+class MessageCodec:
+    """Core -> server messages."""
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessageUnion)
+
+    def encode(self, message: CoreMessage) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, data: bytes) -> CoreMessage:
+        return self._decoder.decode(data)

@@ -1,0 +1,51 @@
+"""Exceptions that cross the process boundary keep their type.
+
+The core names the most specific type of this table that the exception is an instance of;
+the server raises that type again, so it can answer ConnectorRetentionError or a ValueError
+with a 400 and EngineStateError with a 409. Anything else arrives as ``EngineCoreError``.
+"""
+
+from __future__ import annotations
+
+from siesta.config import ConfigError
+from siesta.core.engine_core import ConnectorRetentionError, EngineStateError, RequestRejected
+from siesta.ipc.protocol import RemoteError
+
+
+class EngineCoreError(RuntimeError):
+    """An unexpected error inside the core while it served a call; the core itself lives on."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process is gone; nothing can be served until the server restarts."""
+
+
+class UnsupportedCallError(ValueError):
+    """The core does not know this operation or its arguments (it is older than the server)."""
+
+
+# Most specific first: the first class an exception is an instance of names it on the wire.
+KNOWN_ERRORS: tuple[type[BaseException], ...] = (
+    ConnectorRetentionError,
+    RequestRejected,
+    ConfigError,
+    UnsupportedCallError,
+    EngineStateError,
+    NotImplementedError,
+    ValueError,
+    EngineCoreError,
+)
+_BY_NAME = {cls.__name__: cls for cls in KNOWN_ERRORS}
+
+
+def to_remote(exc: BaseException) -> RemoteError:
+    for cls in KNOWN_ERRORS:
+        if isinstance(exc, cls):
+            return RemoteError(type=cls.__name__, message=str(exc))
+    return RemoteError(type=EngineCoreError.__name__, message=f"{type(exc).__name__}: {exc}")
+
+
+def from_remote(error: RemoteError) -> BaseException:
+    """The exception to raise on the server side; unknown type names become EngineCoreError."""
+    cls = _BY_NAME.get(error.type, EngineCoreError)
+    return cls(error.message)

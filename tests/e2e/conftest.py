@@ -1,0 +1,29 @@
+"""Fixtures of the end-to-end tests.
+
+One dev-mode server on the embedded model serves most modules (package scope: starting
+one costs seconds); modules that need other flags start their own. Every test leaves the
+shared server awake and resumed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from e2e.servers import DEV_MAX_MODEL_LEN, OFFLINE_KV_CACHE_BYTES, SERVER_KV_CACHE_BYTES, start_server, stop_server
+
+
+@pytest.fixture(scope="package")
+def dev_server():
+    server = start_server(
+        "--dev-mode", "--max-model-len", str(DEV_MAX_MODEL_LEN), "--kv-cache-bytes", str(SERVER_KV_CACHE_BYTES)
+    )
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="package")
+def offline_llm():
+    """The in-process engine on the same model: the oracle for the server's greedy text."""
+    from siesta import LLM
+
+    return LLM(max_model_len=DEV_MAX_MODEL_LEN, kv_cache_bytes=OFFLINE_KV_CACHE_BYTES)

@@ -1,0 +1,64 @@
+"""Fuzz the generation routes from the server's own OpenAPI schema: never a 5xx, always healthy.
+
+Schemathesis draws bodies that fit the schema (positive) and bodies that break it (negative).
+Generation lengths are capped before sending so the run stays short on a CPU; every other
+field goes through as drawn.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+
+EXAMPLES = 40
+MAX_FUZZ_TOKENS = 3
+MAX_FUZZ_CHOICES = 2
+MAX_FUZZ_PROMPTS = 3
+REQUEST_TIMEOUT_S = 120
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+@pytest.fixture(scope="module")
+def schema(dev_server):
+    return schemathesis.openapi.from_url(f"{dev_server.url}/openapi.json")
+
+
+def _cap(body: object) -> None:
+    """Bound the work a drawn body asks for (tokens, choices, prompts); keep everything else."""
+    if not isinstance(body, dict):
+        return
+    for name in LENGTH_FIELDS:
+        if isinstance(body.get(name), int) and not isinstance(body.get(name), bool):
+            body[name] = min(body[name], MAX_FUZZ_TOKENS)
+    if not any(isinstance(body.get(name), int) for name in LENGTH_FIELDS):
+        body["max_tokens"] = MAX_FUZZ_TOKENS  # chat's default is "up to the context limit"
+    if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool):
+        body["n"] = min(body["n"], MAX_FUZZ_CHOICES)
+    for name in ("prompt", "messages"):
+        if isinstance(body.get(name), list) and len(body[name]) > MAX_FUZZ_PROMPTS:
+            body[name] = body[name][:MAX_FUZZ_PROMPTS]
+    if isinstance(body.get("min_tokens"), int) and not isinstance(body.get("min_tokens"), bool):
+        body["min_tokens"] = min(body["min_tokens"], MAX_FUZZ_TOKENS)
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_no_server_errors(schema, dev_server, path, mode):
+    operation = schema[path]["POST"]
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def fuzz(case):
+        _cap(case.body)
+        response = case.call(base_url=dev_server.url, timeout=REQUEST_TIMEOUT_S)
+        case.validate_response(response, checks=[not_a_server_error])
+
+    fuzz()
+    assert httpx.get(f"{dev_server.url}/health").status_code == 200
+    metrics = dev_server.metrics()
+    assert metrics["siesta_num_requests_running"] == 0

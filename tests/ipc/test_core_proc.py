@@ -1,0 +1,182 @@
+"""The core's loop in-process, over inproc sockets, with a fake engine: replies, deferral, errors."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+from siesta.core.engine_core import ConnectorRetentionError, EngineCoreOutputs, EngineStateError
+from siesta.ipc.core_proc import EngineCoreProc
+from siesta.ipc.protocol import (
+    CallCodec,
+    EngineInfo,
+    GetInfo,
+    IsPaused,
+    MessageCodec,
+    Pause,
+    Reply,
+    Resume,
+    Shutdown,
+    Sleep,
+    StepOutputs,
+)
+from siesta.ipc.remote_errors import from_remote
+from siesta.request import EngineCoreOutput
+
+DRAIN_STEPS = 3
+TURN_MS = 10
+REFUSAL = "FakeConnector cannot keep its cache across a pause: drop clear_connector_cache=False"
+
+
+class FakeEngine:
+    """Pauses in ``wait`` mode complete after DRAIN_STEPS steps; each step emits one token."""
+
+    weight_version = "0"
+
+    def __init__(self) -> None:
+        self.paused = self.sleeping = False
+        self.draining = 0
+        self.steps = 0
+
+    def has_work(self) -> bool:
+        return False  # like the real engine during a sleep in wait mode: the loop must not rely on it
+
+    def step(self) -> EngineCoreOutputs:
+        self.steps += 1
+        if self.draining:
+            self.draining -= 1
+            self.paused = self.draining == 0
+        return EngineCoreOutputs(outputs=[EngineCoreOutput("r", [self.steps])])
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True, clear_connector_cache: bool = True) -> None:
+        if not clear_connector_cache:
+            raise ConnectorRetentionError(REFUSAL)
+        if self.paused or self.draining:
+            raise EngineStateError("already paused")
+        if mode == "wait":
+            self.draining = DRAIN_STEPS
+        else:
+            self.paused = True
+
+    def sleep(self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True) -> None:
+        self.pause(mode, True, clear_connector_cache)
+        self.sleeping = True
+
+    def resume(self) -> None:
+        self.paused, self.draining = False, 0
+
+    def is_paused(self) -> bool:
+        return self.paused
+
+    def is_sleeping(self) -> bool:
+        return self.sleeping
+
+
+@pytest.fixture
+def loop():
+    ctx = zmq.Context()
+    to_core, core_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    core_out, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_core.bind("inproc://calls")
+    core_in.connect("inproc://calls")
+    from_core.bind("inproc://messages")
+    core_out.connect("inproc://messages")
+    engine = FakeEngine()
+    info = EngineInfo(model_name="fake", max_model_len=8, vocab_size=8, block_size=4, num_blocks=2)
+    proc = EngineCoreProc(engine, core_in, core_out, lambda: info)
+    yield Harness(proc, engine, to_core, from_core)
+    for sock in (to_core, core_in, core_out, from_core):
+        sock.close(linger=0)
+    ctx.term()
+
+
+class Harness:
+    def __init__(self, proc: EngineCoreProc, engine: FakeEngine, to_core: zmq.Socket, from_core: zmq.Socket) -> None:
+        self.proc, self.engine, self.to_core, self.from_core = proc, engine, to_core, from_core
+        self.calls, self.messages = CallCodec(), MessageCodec()
+        self.next_id = 0
+
+    def send(self, body) -> int:
+        self.next_id += 1
+        self.to_core.send(self.calls.encode(self.next_id, body))
+        return self.next_id
+
+    def turn(self) -> list:
+        self.proc.turn(TURN_MS)
+        out = []
+        while True:
+            try:
+                out.append(self.messages.decode(self.from_core.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return out
+
+
+def _replies(messages: list) -> dict[int, Reply]:
+    return {m.call_id: m for m in messages if isinstance(m, Reply)}
+
+
+def test_immediate_calls_are_answered_in_the_same_turn(loop):
+    ids = [loop.send(IsPaused()), loop.send(Pause(mode="keep")), loop.send(IsPaused()), loop.send(GetInfo())]
+    replies = _replies(loop.turn())
+    assert [replies[i].result for i in ids[:3]] == [False, None, True]
+    assert msgspec.convert(replies[ids[3]].result, EngineInfo).model_name == "fake"
+
+
+def test_a_waiting_pause_is_answered_only_once_it_completes_after_its_outputs(loop):
+    call = loop.send(Pause(mode="wait"))
+    seen: list = []
+    for _ in range(DRAIN_STEPS + 2):
+        seen.extend(loop.turn())
+        if call in _replies(seen):
+            break
+    assert loop.engine.steps == DRAIN_STEPS  # the loop stepped although has_work() said no
+    reply_at = next(i for i, m in enumerate(seen) if isinstance(m, Reply))
+    outputs = [m for m in seen[:reply_at] if isinstance(m, StepOutputs)]
+    assert len(outputs) == DRAIN_STEPS  # every step's outputs went out before the reply
+    assert _replies(seen)[call].error is None
+    assert loop.turn() == []  # and then the loop idles
+
+
+def test_sleep_wait_is_deferred_too(loop):
+    call = loop.send(Sleep(mode="wait"))
+    assert call not in _replies(loop.turn())
+    messages = loop.turn() + loop.turn() + loop.turn()
+    assert _replies(messages)[call].error is None and loop.engine.is_sleeping()
+
+
+def test_a_resume_cancels_a_draining_pause(loop):
+    pause = loop.send(Pause(mode="wait"))
+    loop.turn()
+    resume = loop.send(Resume())
+    replies = _replies(loop.turn())
+    assert replies[resume].error is None
+    error = from_remote(replies[pause].error)
+    assert isinstance(error, EngineStateError) and "cancelled" in str(error)
+
+
+def test_errors_come_back_typed_and_the_loop_goes_on(loop):
+    refused = loop.send(Pause(clear_connector_cache=False))
+    again = loop.send(Pause(mode="keep"))
+    twice = loop.send(Pause(mode="keep"))
+    replies = _replies(loop.turn())
+    error = from_remote(replies[refused].error)
+    assert isinstance(error, ConnectorRetentionError) and str(error) == REFUSAL
+    assert replies[again].error is None
+    assert isinstance(from_remote(replies[twice].error), EngineStateError)
+
+
+def test_unknown_operations_and_garbage_do_not_stop_the_loop(loop):
+    loop.to_core.send(msgspec.msgpack.encode({"call_id": 77, "body": {"op": "teleport", "where": "mars"}}))
+    loop.to_core.send(b"\x00not msgpack at all")
+    ok = loop.send(IsPaused())
+    replies = _replies(loop.turn())
+    error = from_remote(replies[77].error)
+    assert isinstance(error, ValueError) and "cannot decode" in str(error)
+    assert replies[ok].result is False
+
+
+def test_shutdown_stops_the_loop(loop):
+    call = loop.send(Shutdown())
+    assert _replies(loop.turn())[call].error is None
+    assert loop.proc.handler.stopping
