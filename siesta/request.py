@@ -15,6 +15,7 @@ from siesta.sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"  # holds blocks; its KV is on the way from a tier
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"

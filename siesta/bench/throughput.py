@@ -64,9 +64,9 @@ def _siesta_arm(llm, args: argparse.Namespace, prompts: list[list[int]], vocab: 
 def _hf_model(source, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    # Built on the device itself: ``to_empty`` from meta would leave the rotary buffers unset.
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(source.hf_config, dtype=dtype)
-    model = model.to_empty(device=device)
     state = dict(source.iter_weights(dtype, device))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if [m for m in missing if "lm_head" not in m] or unexpected:

@@ -42,6 +42,7 @@ class SleepableMemory:
         self._kv = kv_cache.untyped_storage()
         self._kv_size = self._kv.nbytes()
         self._backup: list[torch.UntypedStorage] | None = None
+        self._has_backup = False  # the backup holds the current weights
         self.weights_released = False
         self.kv_released = False
 
@@ -58,7 +59,12 @@ class SleepableMemory:
             return MemoryReport()
         t0 = time.perf_counter()
         if backup:
-            self._backup = [self._host_copy(s) for s in self._weights]
+            # Pinned buffers are slow to allocate: the first sleep makes them, later ones reuse them.
+            if self._backup is None:
+                self._backup = [self._host_buffer(s.nbytes()) for s in self._weights]
+            for host, storage in zip(self._backup, self._weights):
+                host.copy_(storage, non_blocking=self.device.type == "cuda")
+            self._has_backup = True
             self._sync()
         for storage in self._weights:
             storage.resize_(0)
@@ -73,12 +79,12 @@ class SleepableMemory:
         t0 = time.perf_counter()
         for storage, size in zip(self._weights, self._weight_sizes):
             storage.resize_(size)
-        restored = self._backup is not None
+        restored = self._has_backup
         if restored:
             for storage, host in zip(self._weights, self._backup):
                 storage.copy_(host, non_blocking=True)
             self._sync()
-            self._backup = None
+            self._has_backup = False
         self.weights_released = False
         return MemoryReport(self.weight_bytes, time.perf_counter() - t0), restored
 
@@ -101,11 +107,8 @@ class SleepableMemory:
         self.kv_released = False
         return MemoryReport(self._kv_size, time.perf_counter() - t0)
 
-    def _host_copy(self, storage: torch.UntypedStorage) -> torch.UntypedStorage:
-        pin = self.device.type == "cuda"
-        host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
-        host.copy_(storage, non_blocking=pin)
-        return host
+    def _host_buffer(self, nbytes: int) -> torch.UntypedStorage:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda").untyped_storage()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

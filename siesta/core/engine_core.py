@@ -211,8 +211,9 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         sched = self.scheduler.schedule()
         if sched.is_empty and sched.transfers:
-            # Nothing to compute, but the last forward's blocks still go to the tiers.
+            # Nothing to compute, but the last forward's blocks still go out and loads start.
             self.connector.run_stores(sched.transfers, self.runner.kv_cache)
+            self.connector.run_loads(sched.transfers, self.runner.kv_cache)
         elif self.connector is not None and sched.is_empty:
             self.connector.poll()
         if not sched.is_empty:
@@ -319,6 +320,7 @@ class EngineCore:
             if self.connector is not None:
                 self.connector.wait_for_stores(self.runner.kv_cache)  # nothing may read the cache once it is gone
             released += self.memory.release_kv_cache().bytes
+            self.runner.memory_moved()
             released += self.memory.release_weights(backup=level == 1).bytes
             if level == 2:
                 self._weights_valid = False
@@ -347,11 +349,13 @@ class EngineCore:
             self.memory.restore_weights()
         if "kv_cache" in tags:
             self.memory.restore_kv_cache()
+        self.runner.memory_moved()
         self.stats.inc("wake_seconds", time.perf_counter() - t0)
         if self.memory.weights_released or self.memory.kv_released:
             return  # a staged wake: the rest comes with a later call
         if not self._weights_valid:
             self.reload_weights()
+        self.runner.recapture_graphs()
         self._sleep_level = None
         self.stats.inc("wakes")
         self.resume()

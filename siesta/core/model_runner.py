@@ -13,6 +13,7 @@ import torch
 
 from siesta.attention.base import AttentionMetadata, KVCache, get_attention_backend
 from siesta.config import EngineConfig, resolve_dtype
+from siesta.core.cuda_graphs import DecodeGraphs
 from siesta.core.sampler import SampleResult, Sampler, SamplingRow, make_generator
 from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.model.llama import CausalLM
@@ -44,6 +45,11 @@ class ModelRunner:
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler(seed=config.model.seed, device=self.device)
         self.connector: KVConnector | None = None  # set by the engine core when tiers are configured
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_cache, config.scheduler.max_num_seqs, max_model_len, self.block_size
+            )
 
     # -- setup -----------------------------------------------------------------------
 
@@ -136,13 +142,33 @@ class ModelRunner:
             self.connector.run_stores(sched.transfers, self.kv_cache)
             self.connector.run_loads(sched.transfers, self.kv_cache)
         inputs = self._prepare(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        hidden = self._forward(inputs)
         if not inputs.sampled:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         rows = [self._sampling_row(item.request) for item in inputs.sampled]
         results = self.sampler(logits, rows)
         return {item.request.request_id: r for item, r in zip(inputs.sampled, results)}
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        meta = inputs.meta
+        if self.graphs is not None and meta.is_decode_only:
+            hidden = self.graphs.run(
+                inputs.input_ids, inputs.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
+            )
+            if hidden is not None:
+                return hidden
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
+
+    def memory_moved(self) -> None:
+        """Weights or KV were re-allocated (sleep): graphs captured on the old addresses are void."""
+        if self.graphs is not None:
+            self.graphs.invalidate()
+
+    def recapture_graphs(self) -> None:
+        """Capture now (on wake-up) rather than in the first decode step after it."""
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def _prepare(self, sched: SchedulerOutput) -> StepInputs:
         ids: list[int] = []

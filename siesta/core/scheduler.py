@@ -56,6 +56,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Holding blocks, waiting for their tier loads to land before computing.
+        self.loading: dict[str, Request] = {}
         self.connector: KVConnector | None = None
         self._finished_ids: set[str] = set()
         # Preempted outside schedule() (e.g. by a pause); reported by the next schedule().
@@ -98,6 +100,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_ids, preempted_req_ids=self._preempted_ids)
         self._finished_ids, self._preempted_ids = set(), set()
+        self._join_loaded()
         preempted_before = len(out.preempted_req_ids)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
@@ -124,36 +127,72 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_external = self.connector.get_num_new_matched_tokens(request, num_cached) if self.connector else 0
-            num_new = request.num_tokens - num_cached - num_external
+            if num_external:
+                if not self._start_load(request, cached, num_cached, num_external):
+                    break
+                continue
+            num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self.kv.allocate(request, num_cached + num_external + num_new, cached) is None:
+            if self.kv.allocate(request, num_cached + num_new, cached) is None:
                 break
             self.waiting.popleft()
-            self._admit(request, num_cached, num_external)
+            self._admit(request, num_cached, 0)
             if self.connector is not None:
-                self.connector.update_state_after_alloc(
-                    request, self.kv.block_ids(request.request_id), num_cached, num_external
-                )
+                self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_cached, 0)
             self._commit(request, num_new, out)
             budget -= num_new
 
-    def _admit(self, request: Request, num_cached: int, num_external: int) -> None:
+    def _start_load(self, request: Request, cached: list, num_cached: int, num_external: int) -> bool:
+        """Give the request blocks for its tier hits and start loading them; it computes once they land.
+
+        Its blocks are not published until then: nobody may read KV that is still on its way.
+        """
+        num_loaded = num_cached + num_external
+        if self.kv.allocate(request, num_loaded, cached, publish=False) is None:
+            return False
+        self.waiting.popleft()
+        self._admit(request, num_cached, num_external, joins_running=False)
+        request.status = RequestStatus.LOADING
+        self.loading[request.request_id] = request
+        self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_cached, num_external)
+        return True
+
+    def _join_loaded(self) -> None:
+        """Requests whose tier loads landed join the running batch."""
+        if self.connector is None or not self.loading:
+            return
+        for request_id in self.connector.finished_loads():
+            request = self.loading.pop(request_id, None)
+            if request is None:
+                continue
+            self.kv.publish(request, request.num_computed_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+
+    def _settle_loads(self) -> None:
+        """Finish every load in flight, so that the blocks they write may be freed."""
+        if self.loading:
+            self.connector.wait_for_loads()
+            self._join_loaded()
+
+    def _admit(self, request: Request, num_cached: int, num_external: int, joins_running: bool = True) -> None:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached + num_external
             self.stats.inc("prompt_tokens", request.num_prompt_tokens)
         self.stats.inc("prefix_cache_queries", request.num_tokens)
         self.stats.inc("prefix_cache_hits", num_cached)
         request.num_computed_tokens = num_cached + num_external
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        if joins_running:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
     def _commit(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         start = request.num_computed_tokens
@@ -184,6 +223,7 @@ class Scheduler:
         The next ``schedule()`` reports them as preempted, possibly in the same step that
         resumes them.
         """
+        self._settle_loads()
         out = SchedulerOutput(preempted_req_ids=self._preempted_ids)
         while self.running:
             self._preempt(self.running.pop(), out)
@@ -230,6 +270,8 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> EngineCoreOutput:
+        if request.request_id in self.loading:
+            self._settle_loads()  # its blocks are being written: let that end before freeing them
         request.status = status
         if request in self.running:
             self.running.remove(request)
@@ -251,7 +293,7 @@ class Scheduler:
 
     def _record_gauges(self) -> None:
         self.stats.set("num_requests_running", len(self.running))
-        self.stats.set("num_requests_waiting", len(self.waiting))
+        self.stats.set("num_requests_waiting", len(self.waiting) + len(self.loading))
         self.stats.set("kv_cache_usage_perc", self.kv.pool.usage)
 
 

@@ -45,7 +45,9 @@ class KVManager:
         held = len(self._blocks.get(request.request_id, ())) + len(cached_prefix)
         return max(0, cdiv(num_tokens_after, self.block_size) - held)
 
-    def allocate(self, request: Request, num_tokens_after: int, cached_prefix: list[Block] = ()) -> list[Block] | None:
+    def allocate(
+        self, request: Request, num_tokens_after: int, cached_prefix: list[Block] = (), publish: bool = True
+    ) -> list[Block] | None:
         """Make room for KV up to ``num_tokens_after`` tokens; None if the blocks aren't there.
 
         ``cached_prefix`` (from ``find_cached_prefix``) is taken first. Blocks that
@@ -62,10 +64,12 @@ class KVManager:
         blocks.extend(cached_prefix)
         new_blocks = self.pool.allocate(need)
         blocks.extend(new_blocks)
-        self._publish_full_blocks(request, num_tokens_after)
+        if publish:
+            self.publish(request, num_tokens_after)
         return new_blocks
 
-    def _publish_full_blocks(self, request: Request, num_tokens_after: int) -> None:
+    def publish(self, request: Request, num_tokens_after: int) -> None:
+        """Make the request's full blocks up to ``num_tokens_after`` findable by their keys."""
         if not self.enable_prefix_caching or request.kv_mixes_versions:
             return
         self.update_hashes(request)

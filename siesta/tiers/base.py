@@ -114,7 +114,8 @@ class KVConnector(ABC):
 
     @abstractmethod
     def run_loads(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
-        """Write this step's loads into their device blocks; done before returning."""
+        """Start this step's loads into their (unpublished) device blocks; ``finished_loads``
+        reports each request once its KV has landed."""
 
     @abstractmethod
     def run_stores(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
@@ -122,6 +123,13 @@ class KVConnector(ABC):
 
     def poll(self) -> None:
         """Retire finished transfers (release their device blocks)."""
+
+    def finished_loads(self) -> list[str]:
+        """Requests whose loads have landed since the last call: they may compute now."""
+        return []
+
+    def wait_for_loads(self) -> None:
+        """Block until every load in flight has landed."""
 
     @abstractmethod
     def wait_for_stores(self, kv_cache: KVCache) -> None:

@@ -62,6 +62,13 @@ class MultiConnector(KVConnector):
         for c in self.children:
             c.poll()
 
+    def finished_loads(self) -> list[str]:
+        return [rid for c in self.children for rid in c.finished_loads()]
+
+    def wait_for_loads(self) -> None:
+        for c in self.children:
+            c.wait_for_loads()
+
     def wait_for_stores(self, kv_cache: KVCache) -> None:
         for c in self.children:
             c.wait_for_stores(kv_cache)

@@ -121,6 +121,7 @@ class OffloadingConnector(KVConnector):
         # Worker-side transfers still running.
         self._inflight_stores: list[StoreJob] = []
         self._inflight_loads: list[LoadJob] = []
+        self._landed: list[str] = []  # requests whose loads finished, for the scheduler to pick up
         self._disk_writes: list[tuple[BlockHash, Future[int]]] = []
         self._evictions_seen = {"host": 0, "disk": self.disk.evictions if self.disk is not None else 0}
         self._record_usage()
@@ -192,14 +193,11 @@ class OffloadingConnector(KVConnector):
         # Stores planned last step read blocks the last forward filled: issue them now. A
         # preempted request's stores go with them (flushed); a load it got in this very
         # step, resuming, is its own job and is left alone.
-        transfers = StepTransfers(stores=self._planned)
-        self._planned = []
+        transfers = StepTransfers(stores=self._planned, loads=list(self._pending_loads.values()))
+        self._planned, self._pending_loads = [], {}
         for request_id in sched.preempted_req_ids | sched.finished_req_ids:
             self._stored_upto.pop(request_id, None)
         for item in sched.scheduled:
-            job = self._pending_loads.pop(item.request.request_id, None)
-            if job is not None:
-                transfers.loads.append(job)
             self._plan_stores(item.request, item.block_ids)
         return transfers
 
@@ -245,11 +243,18 @@ class OffloadingConnector(KVConnector):
                 src = self.host.data(piece.entry)[first : first + piece.count]
                 self.copier.load(src, kv_cache, piece.block_ids)
                 self.ctx.stats.inc("kv_offload_load_bytes", len(piece.block_ids) * self.ctx.block_bytes, tier="host")
-        if transfers.loads:
-            event = self.copier.finish_loads()
-            for job in transfers.loads:
-                job.event = event
-                self._inflight_loads.append(job)
+            job.event = self.copier.loads_issued()  # one per request: each joins as soon as its KV landed
+            self._inflight_loads.append(job)
+        self.poll()
+
+    def finished_loads(self) -> list[str]:
+        self.poll()
+        landed, self._landed = self._landed, []
+        return landed
+
+    def wait_for_loads(self) -> None:
+        for job in self._inflight_loads:
+            self.copier.wait(job.event)
         self.poll()
 
     def poll(self) -> None:
@@ -262,6 +267,7 @@ class OffloadingConnector(KVConnector):
         for job in done_loads:
             for piece in job.pieces:
                 self.host.unpin(piece.key)
+            self._landed.append(job.request_id)
         self._retire_disk_writes(block=False)
         self._record_usage()
 

@@ -48,11 +48,13 @@ class BlockCopier:
             for i, b in enumerate(block_ids):
                 kv.tensor[b].copy_(src[i], non_blocking=True)
 
-    def finish_loads(self) -> torch.cuda.Event | None:
-        """Make the compute stream wait for the loads; returns an event for their host side."""
+    def loads_issued(self) -> torch.cuda.Event | None:
+        """An event that fires when the loads issued so far have landed (None: already landed).
+
+        The compute stream does not wait: the requests being loaded compute only once it fired.
+        """
         if not self.cuda:
             return None
-        torch.cuda.current_stream().wait_stream(self._load_stream)
         event = torch.cuda.Event()
         event.record(self._load_stream)
         return event

@@ -1,0 +1,317 @@
+"""Everything the GPU issue asks for, in one process: ``bash bench/gpu.sh`` runs it on the H200.
+
+Random weights of the Llama-3-8B shape in bf16. Sections (each survives the others failing):
+correctness against transformers on the same weights; decode step time against the HBM
+roofline (CUDA graphs and eager); prefill tok/s and MFU; the seed's resume experiment at the
+seed's scale; tier transfer GB/s; sleep/wake seconds and memory. A table last, JSON to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from siesta.bench.common import median, print_table, random_prompts
+
+HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200
+LINK_BYTES_PER_S = 55e9  # measured pinned host-to-device
+BF16_PEAK_FLOPS = 989e12  # datasheet dense bf16; the measured matmul ceiling is ~774e12
+MEASURED_MATMUL_FLOPS = 774e12
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _section(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
+    print(f"\n== {name} ==", flush=True)
+    t0 = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception as e:  # noqa: BLE001 - report and go on to the next section
+        traceback.print_exc()
+        results[name] = {"error": f"{type(e).__name__}: {e}"}
+    results[name]["section_s"] = time.perf_counter() - t0
+    print(json.dumps(results[name], indent=1, default=str)[:3000], flush=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _llm(args: argparse.Namespace, **kw):
+    from siesta import LLM
+
+    base = {"dtype": "bfloat16", "max_model_len": args.max_model_len, "device": args.device,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": 256}  # fmt: skip
+    return LLM(args.model, **(base | kw))
+
+
+# -- sections ------------------------------------------------------------------------------
+
+
+def correctness(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from siesta import SamplingParams
+
+    llm = _llm(args, kv_cache_bytes=4 << 30)
+    source = llm.engine.source
+    dev = llm.engine.runner.device
+    # Built on the device itself: ``to_empty`` from meta would leave the rotary buffers unset.
+    with torch.device(dev):
+        hf = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.bfloat16)
+    hf.load_state_dict(dict(source.iter_weights(torch.bfloat16, dev)), strict=False)
+    hf.tie_weights()
+    hf.eval()
+    vocab = llm.engine.vocab_size
+    prompts = random_prompts(4, args.check_prompt_len // 2, args.check_prompt_len, vocab, seed=5)
+    n_new = 16
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n_new, logprobs=5, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    max_diff, top1_agree, greedy_agree = 0.0, 0, 0
+    for p, out in zip(prompts, outs):
+        ids = torch.tensor([p + out.outputs[0].token_ids], device=dev)
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(ids).logits[0, len(p) - 1 : -1].float(), -1)
+        for step, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+            max_diff = max(max_diff, abs(lp[tok].logprob - ref[step, tok].item()))
+            top1_agree += int(ref[step].argmax().item() == tok)
+        greedy_agree += int(ref[0].argmax().item() == out.outputs[0].token_ids[0])
+    total = len(prompts) * n_new
+    del hf
+    return {"prompts": len(prompts), "tokens_checked": total, "max_abs_logprob_diff": max_diff,
+            "top1_agreement": top1_agree / total, "first_token_agreement": greedy_agree / len(prompts),
+            "graphs": llm.engine.runner.graphs is not None}  # fmt: skip
+
+
+def _decode_step_s(llm, batch: int, context: int, steps: int) -> float:
+    from siesta import SamplingParams
+
+    vocab = llm.engine.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    ids = [llm.add_request({"prompt_token_ids": p}, params) for p in random_prompts(batch, context, context, vocab, 7)]
+    eng = llm.engine
+    while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
+        llm.step()
+    for _ in range(3):
+        llm.step()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    _sync()
+    dt = (time.perf_counter() - t0) / steps
+    llm.abort(ids)
+    return dt
+
+
+def decode(args: argparse.Namespace) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for eager in (False, True):
+        llm = _llm(args, enforce_eager=eager, gpu_memory_utilization=0.85)
+        shape = llm.engine.runner.model.shape
+        weight_bytes = llm.engine.memory.weight_bytes
+        kv_per_token = llm.engine.runner.kv_cache.block_bytes // llm.config.cache.block_size
+        for b in args.decode_batches:
+            dt = _decode_step_s(llm, b, args.decode_context, args.decode_steps)
+            floor = (weight_bytes + b * args.decode_context * kv_per_token) / HBM_BYTES_PER_S
+            key = f"{'eager' if eager else 'graphs'}_batch{b}"
+            res[key] = {"step_ms": dt * 1e3, "tok_s": b / dt, "roofline_ms": floor * 1e3, "of_roofline": floor / dt}
+        res["weight_bytes"] = weight_bytes
+        res["layers"] = shape.num_layers
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return res
+
+
+def prefill(args: argparse.Namespace) -> dict[str, Any]:
+    from siesta import SamplingParams
+
+    res: dict[str, Any] = {}
+    llm = _llm(args, max_num_batched_tokens=max(args.prefill_lens), gpu_memory_utilization=0.85)
+    shape = llm.engine.runner.model.shape
+    params = sum(p.numel() for n, p in llm.engine.runner.model.named_parameters() if "embed" not in n)
+    vocab = llm.engine.vocab_size
+    for n in args.prefill_lens:
+        for rep in range(3):  # the first run compiles
+            ps = random_prompts(1, n, n, vocab, seed=40 + rep)
+            _sync()
+            t0 = time.perf_counter()
+            llm.generate({"prompt_token_ids": ps[0]}, SamplingParams(max_tokens=1), use_tqdm=False)
+            _sync()
+            dt = time.perf_counter() - t0
+        attn_flops = 2 * 2 * shape.num_layers * shape.num_heads * shape.head_dim * n * n / 2
+        flops = 2 * params * n + attn_flops
+        res[f"tokens{n}"] = {"s": dt, "tok_s": n / dt, "mfu": flops / dt / BF16_PEAK_FLOPS,
+                             "of_measured_matmul": flops / dt / MEASURED_MATMUL_FLOPS}  # fmt: skip
+    return res
+
+
+def resume(args: argparse.Namespace) -> dict[str, Any]:
+    from siesta.bench.resume_offline import run_arm
+
+    tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"block_size": args.tier_block_size, "cpu_bytes_to_use": args.tier_bytes}}  # fmt: skip
+    t0 = time.perf_counter()
+    llm = _llm(args, kv_transfer_config=tier, gpu_memory_utilization=0.9)
+    init_s = time.perf_counter() - t0
+    vocab = llm.engine.vocab_size
+    kv_per_token = llm.engine.runner.kv_cache.block_bytes // llm.config.cache.block_size
+    arms = {}
+    for seed, (name, keep) in enumerate((("cleared", False), ("kept", True))):
+        ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, vocab, seed=100 + seed)
+        arms[name] = run_arm(llm, keep, ps, max_tokens=8)
+    kept = arms["kept"]["metric_delta"]
+    load_bytes = kept.get('siesta_kv_offload_load_bytes_total{tier="host"}', 0.0)
+    return {
+        "init_s": init_s,
+        "requests": args.resume_requests,
+        "prompt_tokens": args.resume_tokens,
+        "kv_bytes_per_token": kv_per_token,
+        "cleared": arms["cleared"],
+        "kept": arms["kept"],
+        "speedup_p50": arms["cleared"]["replay_p50_s"] / arms["kept"]["replay_p50_s"],
+        "kept_load_floor_s": load_bytes / LINK_BYTES_PER_S,
+    }
+
+
+def transfers(args: argparse.Namespace) -> dict[str, Any]:
+    """Host-tier store and load rates: the copier's own path, one DMA per device block."""
+    from siesta.tiers.transfer import BlockCopier
+
+    llm = _llm(args, kv_cache_bytes=16 << 30)
+    kv = llm.engine.runner.kv_cache
+    n = min(kv.num_blocks, args.transfer_blocks)
+    host = torch.empty((n, *kv.tensor.shape[1:]), dtype=kv.tensor.dtype, pin_memory=True)
+    copier = BlockCopier(kv.tensor.device)
+    ids = list(range(n))
+    nbytes = n * kv.block_bytes
+    out: dict[str, Any] = {"block_bytes": kv.block_bytes, "blocks": n}
+    for rep in range(2):
+        _sync()
+        t0 = time.perf_counter()
+        copier.wait(copier.store(kv, ids, host))
+        store_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        copier.load(host, kv, ids)
+        copier.wait(copier.finish_loads())
+        _sync()
+        load_s = time.perf_counter() - t0
+    out |= {"store_GB_s": nbytes / store_s / 1e9, "load_GB_s": nbytes / load_s / 1e9}
+    return out
+
+
+def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
+    llm = _llm(args, gpu_memory_utilization=0.85)
+    free0, total = torch.cuda.mem_get_info()
+    engine_bytes = llm.engine.memory.weight_bytes + llm.engine.memory.kv_bytes
+    w = llm.engine.memory.weight_bytes
+    out: dict[str, Any] = {"engine_bytes": engine_bytes, "free_before_GiB": free0 / 2**30, "total_GiB": total / 2**30}
+    for rep in ("first", "second"):  # the first sleep also allocates the pinned backup
+        m0 = llm.get_metrics()
+        t0 = time.perf_counter()
+        llm.sleep(level=1)
+        sleep_s = time.perf_counter() - t0
+        free1, _ = torch.cuda.mem_get_info()
+        t0 = time.perf_counter()
+        llm.wake_up()
+        wake_s = time.perf_counter() - t0  # includes re-capturing the decode graphs
+        free2, _ = torch.cuda.mem_get_info()
+        m1 = llm.get_metrics()
+        # The engine's own timers: memory release / restore only (not the graph re-capture).
+        mem_sleep = m1["siesta_sleep_seconds_total"] - m0.get("siesta_sleep_seconds_total", 0.0)
+        mem_wake = m1["siesta_wake_seconds_total"] - m0.get("siesta_wake_seconds_total", 0.0)
+        out[rep] = {"freed_fraction": (free1 - free0) / engine_bytes, "sleep_call_s": sleep_s, "wake_call_s": wake_s,
+                    "memory_sleep_s": mem_sleep, "memory_wake_s": mem_wake,
+                    "weights_GB_s_sleep": w / mem_sleep / 1e9, "weights_GB_s_wake": w / mem_wake / 1e9,
+                    "free_asleep_GiB": free1 / 2**30, "free_after_GiB": free2 / 2**30}  # fmt: skip
+    out["freed_fraction"] = out["second"]["freed_fraction"]
+    out["weights_GB_s_sleep"] = out["second"]["weights_GB_s_sleep"]
+    out["weights_GB_s_wake"] = out["second"]["weights_GB_s_wake"]
+    return out
+
+
+# In order of what matters most, so a short lease loses the least.
+SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "correctness": correctness,
+    "resume": resume,
+    "decode": decode,
+    "prefill": prefill,
+    "sleep_wake": sleep_wake,
+    "transfers": transfers,
+}
+
+
+def summary(results: dict[str, Any]) -> list[list[Any]]:
+    rows: list[list[Any]] = []
+
+    def get(*path, default=None):
+        node = results
+        for p in path:
+            if not isinstance(node, dict) or p not in node:
+                return default
+            node = node[p]
+        return node
+
+    rows.append(["max |logprob diff| vs transformers", get("correctness", "max_abs_logprob_diff"), "bf16 tolerance"])
+    for b in (1, 16, 64, 256):
+        rows.append([f"decode b{b} tok/s (graphs)", get("decode", f"graphs_batch{b}", "tok_s"),
+                     f"{get('decode', f'graphs_batch{b}', 'of_roofline', default=0) or 0:.0%} of HBM roofline"])  # fmt: skip
+    for n in (2048, 8192):
+        rows.append([f"prefill {n} tok/s", get("prefill", f"tokens{n}", "tok_s"),
+                     f"MFU {get('prefill', f'tokens{n}', 'mfu', default=0) or 0:.0%}"])  # fmt: skip
+    rows.append(["resume kept vs cleared (p50 speedup)", get("resume", "speedup_p50"), "goal >= 15x"])
+    rows.append(["tier store / load GB/s", f"{get('transfers', 'store_GB_s', default=0) or 0:.1f} / "
+                 f"{get('transfers', 'load_GB_s', default=0) or 0:.1f}", "goal >= 45"])  # fmt: skip
+    rows.append(["sleep freed fraction", get("sleep_wake", "freed_fraction"), "goal >= 0.95"])
+    rows.append(["sleep / wake weights GB/s", f"{get('sleep_wake', 'weights_GB_s_sleep', default=0) or 0:.1f} / "
+                 f"{get('sleep_wake', 'weights_GB_s_wake', default=0) or 0:.1f}", "goal >= 40"])  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="random:llama-3-8b")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--max-model-len", type=int, default=32768)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--check-prompt-len", type=int, default=512)
+    ap.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])
+    ap.add_argument("--decode-context", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=20)
+    ap.add_argument("--prefill-lens", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 8192])
+    ap.add_argument("--resume-requests", type=int, default=16)
+    ap.add_argument("--resume-tokens", type=int, default=19500)
+    ap.add_argument("--tier-block-size", type=int, default=128)
+    ap.add_argument("--tier-bytes", type=int, default=48 << 30)
+    ap.add_argument("--transfer-blocks", type=int, default=2048)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--time-budget-s", type=float, default=420.0, help="start no section after this")
+    args = ap.parse_args()
+
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "args": vars(args)}  # fmt: skip
+    start = time.perf_counter()
+    for name in args.sections.split(","):
+        if time.perf_counter() - start > args.time_budget_s:
+            results[name] = {"error": "skipped: out of time budget"}
+            continue
+        _section(results, name, lambda n=name: SECTIONS[n](args))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+    print_table(f"siesta on {results['device']}", ["measure", "value", "against"], summary(results))
+
+
+if __name__ == "__main__":
+    main()
