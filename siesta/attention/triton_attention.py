@@ -396,7 +396,9 @@ def _prefill_tile(
     )
 
 
-@triton.jit
+# Batch-shape arguments are not specialized on (==1, %16): each new batch shape would
+# otherwise compile a kernel variant mid-serving, seconds each.
+@triton.jit(do_not_specialize=["num_reqs"])
 def _unified_kernel(
     q_ptr,
     k_cache_ptr,
@@ -458,7 +460,7 @@ def _unified_kernel(
         )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -526,7 +528,7 @@ def _decode_split_kernel(
                      HEAD_DIM, BLOCK_D, GROUP, BLOCK_H)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
