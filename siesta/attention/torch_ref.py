@@ -23,7 +23,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer_idx: int
 
 def gather_context(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens held by ``block_ids``: ``[length, kv_heads, head_dim]``."""
-    blocks = cache[block_ids]  # [n, block_size, H, D]
+    # index_select beats advanced indexing ~4x on the strided per-layer view (CPU).
+    blocks = cache.index_select(0, block_ids)  # [n, block_size, H, D]
     return blocks.reshape(-1, *blocks.shape[2:])[:length]
 
 
@@ -88,8 +89,9 @@ class TorchAttention:
         b = len(rows)
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         groups = q.shape[1] // kv_heads
-        ctx_k = k_cache[tables].reshape(b, n_blocks * bs, kv_heads, head_dim).transpose(1, 2)
-        ctx_v = v_cache[tables].reshape(b, n_blocks * bs, kv_heads, head_dim).transpose(1, 2)
+        flat = tables.reshape(-1)
+        ctx_k = k_cache.index_select(0, flat).view(b, n_blocks * bs, kv_heads, head_dim).transpose(1, 2)
+        ctx_v = v_cache.index_select(0, flat).view(b, n_blocks * bs, kv_heads, head_dim).transpose(1, 2)
         valid = torch.arange(n_blocks * bs, device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
         # Query heads that share a KV head become that head's query rows: no K/V copies for GQA.
         qd = q[torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=q.device)]
