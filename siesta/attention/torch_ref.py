@@ -12,6 +12,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from siesta.attention.base import AttentionMetadata, KVCache
 
+# Decode rows whose contexts differ by more than this factor are attended in separate groups.
+DECODE_GROUP_SPREAD = 2.0
+
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor) -> None:
     k_cache, v_cache = kv_cache.layer(layer_idx)
@@ -79,13 +82,23 @@ class TorchAttention:
         return o[0].transpose(0, 1)
 
     def _decode(self, q, kv_cache, layer_idx, meta, scale, rows: list[int], out: torch.Tensor) -> None:
+        # Rows padded to a common length waste work on the short ones: attend in groups of
+        # similar context length (sorted, a new group once lengths double).
+        rows = sorted(rows, key=lambda i: meta.seq_lens_cpu[i])
+        group: list[int] = []
+        for i in rows:
+            if group and meta.seq_lens_cpu[i] > DECODE_GROUP_SPREAD * meta.seq_lens_cpu[group[0]]:
+                self._decode_group(q, kv_cache, layer_idx, meta, scale, group, out)
+                group = []
+            group.append(i)
+        self._decode_group(q, kv_cache, layer_idx, meta, scale, group, out)
+
+    def _decode_group(self, q, kv_cache, layer_idx, meta, scale, rows: list[int], out: torch.Tensor) -> None:
         k_cache, v_cache = kv_cache.layer(layer_idx)
         bs = kv_cache.block_size
         lens = [meta.seq_lens_cpu[i] for i in rows]
-        max_len = max(lens)
-        n_blocks = -(-max_len // bs)
-        row_idx = torch.tensor(rows, device=q.device)
-        tables = meta.block_tables[row_idx, :n_blocks]  # [B, n]
+        n_blocks = -(-max(lens) // bs)
+        tables = meta.block_tables[torch.tensor(rows, device=q.device), :n_blocks]  # [B, n]
         b = len(rows)
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         groups = q.shape[1] // kv_heads
@@ -94,9 +107,7 @@ class TorchAttention:
         ctx_v = v_cache.index_select(0, flat).view(b, n_blocks * bs, kv_heads, head_dim).transpose(1, 2)
         valid = torch.arange(n_blocks * bs, device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
         # Query heads that share a KV head become that head's query rows: no K/V copies for GQA.
-        qd = q[torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=q.device)]
-        qd = qd.view(b, kv_heads, groups, head_dim).to(ctx_k.dtype)
+        tokens = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=q.device)
+        qd = q[tokens].view(b, kv_heads, groups, head_dim).to(ctx_k.dtype)
         o = F.scaled_dot_product_attention(qd, ctx_k, ctx_v, attn_mask=valid[:, None, None, :], scale=scale)
-        out[torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=q.device)] = o.reshape(
-            b, kv_heads * groups, head_dim
-        ).to(out.dtype)
+        out[tokens] = o.reshape(b, kv_heads * groups, head_dim).to(out.dtype)

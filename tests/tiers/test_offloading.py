@@ -315,3 +315,25 @@ def test_tier_budget_holds_under_a_random_workload():
             llm.sleep(level=1, clear_connector_cache=False)
             llm.wake_up()
     assert llm.get_metrics()['siesta_kv_offload_evictions_total{tier="host"}'] > 0
+
+
+def test_update_weights_from_a_model_path(tmp_path):
+    """A trainer's checkpoint directory works as well as (name, tensor) pairs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    llm = engine()
+    ps = prompts(2)
+    ref = generate(llm, ps)
+    source = llm.engine.source
+    hf = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.float32)
+    state = dict(source.iter_weights(torch.float32, "cpu"))
+    state["model.norm.weight"] = state["model.norm.weight"] * 2  # the "trained" weights differ
+    hf.load_state_dict(state, strict=False)
+    hf.save_pretrained(tmp_path)
+    assert llm.update_weights(str(tmp_path), weight_version="trained") == "trained"
+    changed = generate(llm, ps)
+    assert changed != ref
+    # And back: the original weights give the original tokens again.
+    llm.update_weights(source.iter_weights(torch.float32, "cpu"), weight_version="original")
+    assert generate(llm, ps) == ref
