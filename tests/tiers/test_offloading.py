@@ -328,7 +328,8 @@ def test_update_weights_from_a_model_path(tmp_path):
     source = llm.engine.source
     hf = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.float32)
     state = dict(source.iter_weights(torch.float32, "cpu"))
-    state["model.norm.weight"] = state["model.norm.weight"] * 2  # the "trained" weights differ
+    # The "trained" weights differ: layer 0's MLP now pushes the other way.
+    state["model.layers.0.mlp.down_proj.weight"] = -state["model.layers.0.mlp.down_proj.weight"]
     hf.load_state_dict(state, strict=False)
     hf.save_pretrained(tmp_path)
     assert llm.update_weights(str(tmp_path), weight_version="trained") == "trained"
