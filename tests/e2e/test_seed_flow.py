@@ -3,9 +3,6 @@
 warm -> /sleep?level=1 (with and without clear_connector_cache=false) -> /wake_up -> replay,
 then /metrics deltas. Kept tier: the replay hits every full block before each prompt's last
 token, loads exactly what the warm-up stored, and stores nothing new. Cleared tier: no hits.
-
-Pending the lead's OffloadingConnector (issue 3): until it is configured by
-``--kv-transfer-config`` and exports its counters, these tests fail.
 """
 
 from __future__ import annotations
