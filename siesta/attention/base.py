@@ -27,9 +27,16 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        storage: torch.Tensor | None = None,
     ) -> KVCache:
+        """A zeroed cache; in ``storage`` (uint8, at least the cache's bytes) when given."""
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
-        return cls(torch.zeros(shape, dtype=dtype, device=device))
+        if storage is None:
+            return cls(torch.zeros(shape, dtype=dtype, device=device))
+        nbytes = num_blocks * cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        tensor = storage[:nbytes].view(dtype).view(shape)
+        tensor.zero_()
+        return cls(tensor)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

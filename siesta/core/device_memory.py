@@ -1,7 +1,12 @@
-"""Sleep for device memory: release the weights' and the KV cache's storage, restore it later.
+"""Sleep for device memory: release the weights' and the KV cache's memory, restore it later.
 
-Tensors keep their identity (parameters stay registered, views stay views) and
-only their storage is released, so nothing above this module needs rebuilding.
+Two ways, one interface. ``ArenaMemory`` (CUDA with cuda-python): weights and KV
+live in virtual-memory arenas whose pages are unmapped and re-mapped at the same
+addresses, so captured CUDA graphs stay valid (``keeps_addresses``).
+``SleepableMemory`` (CPU, or CUDA without cuda-python): the tensors' storages are
+resized to nothing and back; tensors keep their identity but not their
+addresses, so graphs are recaptured after a wake.
+
 Level 1 backs the weights up to host memory first (pinned on CUDA, for DMA at
 link speed); level 2 releases them without a backup.
 """
@@ -12,6 +17,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from siesta.core.vmm import VirtualArena
 
 
 @dataclass
@@ -35,6 +42,8 @@ def _unique_storages(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
 
 
 class SleepableMemory:
+    keeps_addresses = False
+
     def __init__(self, weights: list[torch.Tensor], kv_cache: torch.Tensor, device: torch.device) -> None:
         self.device = device
         self._weights = _unique_storages(weights)
@@ -118,3 +127,71 @@ class SleepableMemory:
         # Freed blocks go back to torch's caching allocator; hand them to the driver too.
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+class ArenaMemory:
+    """Weights and KV cache in two ``VirtualArena``s: one DMA each way per sleep and wake."""
+
+    keeps_addresses = True
+
+    def __init__(self, weights: VirtualArena, kv_cache: VirtualArena) -> None:
+        self.device = weights.device
+        self._weights, self._kv = weights, kv_cache
+        self._backup: torch.Tensor | None = None
+        self._has_backup = False
+
+    @property
+    def weight_bytes(self) -> int:
+        return self._weights.nbytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return self._kv.nbytes
+
+    @property
+    def weights_released(self) -> bool:
+        return not self._weights.mapped
+
+    @property
+    def kv_released(self) -> bool:
+        return not self._kv.mapped
+
+    def release_weights(self, backup: bool) -> MemoryReport:
+        if self.weights_released:
+            return MemoryReport()
+        t0 = time.perf_counter()
+        if backup:
+            if self._backup is None:  # pinned memory is slow to allocate: made once, reused
+                self._backup = torch.empty(self._weights.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._backup.copy_(self._weights.tensor, non_blocking=True)
+            self._has_backup = True
+        self._weights.unmap()  # synchronizes first, so the backup copy has landed
+        return MemoryReport(self.weight_bytes, time.perf_counter() - t0)
+
+    def restore_weights(self) -> tuple[MemoryReport, bool]:
+        if not self.weights_released:
+            return MemoryReport(), True
+        t0 = time.perf_counter()
+        self._weights.map()
+        restored = self._has_backup
+        if restored:
+            self._weights.tensor.copy_(self._backup, non_blocking=True)
+            torch.cuda.synchronize(self.device)
+            self._has_backup = False
+        return MemoryReport(self.weight_bytes, time.perf_counter() - t0), restored
+
+    def release_kv_cache(self) -> MemoryReport:
+        if self.kv_released:
+            return MemoryReport()
+        t0 = time.perf_counter()
+        self._kv.unmap()
+        return MemoryReport(self.kv_bytes, time.perf_counter() - t0)
+
+    def restore_kv_cache(self) -> MemoryReport:
+        if not self.kv_released:
+            return MemoryReport()
+        t0 = time.perf_counter()
+        self._kv.map()
+        # Fresh pages may hold NaN bit patterns; unwritten slots of a block must read as finite.
+        self._kv.tensor.zero_()
+        return MemoryReport(self.kv_bytes, time.perf_counter() - t0)

@@ -14,8 +14,11 @@ import torch
 from siesta.attention.base import AttentionMetadata, KVCache, get_attention_backend
 from siesta.config import EngineConfig, resolve_dtype
 from siesta.core.cuda_graphs import DecodeGraphs
-from siesta.core.sampler import SampleResult, Sampler, SamplingRow, make_generator
+from siesta.core.device_memory import ArenaMemory, SleepableMemory
+from siesta.core.sampler import Sampler, SampleResult, SamplingRow, make_generator
 from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
+from siesta.core.staging import to_device
+from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
 from siesta.model.llama import CausalLM
 from siesta.model.loader import ModelSource
 from siesta.request import Request
@@ -41,6 +44,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        # Sleep on CUDA keeps addresses when weights and KV live in virtual-memory arenas.
+        self.use_arenas = self.device.type == "cuda" and config.enable_sleep_mode and vmm_available()
+        if self.device.type == "cuda" and config.enable_sleep_mode and not self.use_arenas:
+            logger.warning("cuda-python is not installed: sleep frees memory by reallocation and graphs are recaptured")
+        self.weight_arena: VirtualArena | None = None
+        self.kv_arena: VirtualArena | None = None
         self.model = self._build_model(source)
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler(seed=config.model.seed, device=self.device)
@@ -58,7 +67,11 @@ class ModelRunner:
         with torch.device("meta"):
             model = CausalLM(source.hf_config, self.max_model_len, self.backend)
         # Materialise on the device without initialising: every parameter is loaded next.
-        model = model.to(dtype=self.dtype).to_empty(device=self.device)
+        model = model.to(dtype=self.dtype)
+        if self.use_arenas:
+            self.weight_arena = place_parameters(model, self.device)
+        else:
+            model = model.to_empty(device=self.device)
         model.tie_weights()
         model.model.rotary.build_tables(self.device)
         self.load_weights(model, source.iter_weights(self.dtype, self.device), complete=True)
@@ -80,9 +93,19 @@ class ModelRunner:
         block_bytes = KVCache.bytes_per_block(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
         num_blocks = max(1, self._kv_cache_bytes() // block_bytes)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size, num_blocks * block_bytes / 2**20)
+        storage = None
+        if self.use_arenas:
+            self.kv_arena = VirtualArena(num_blocks * block_bytes, self.device)
+            storage = self.kv_arena.tensor
         return KVCache.allocate(
-            num_blocks, shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype, self.device
+            num_blocks, shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype, self.device,
+            storage=storage,
         )
+
+    def sleepable_memory(self) -> SleepableMemory | ArenaMemory:
+        if self.weight_arena is not None and self.kv_arena is not None:
+            return ArenaMemory(self.weight_arena, self.kv_arena)
+        return SleepableMemory(list(self.model.parameters()), self.kv_cache.tensor, self.device)
 
     def _kv_cache_bytes(self) -> int:
         cache = self.config.cache
@@ -194,20 +217,20 @@ class ModelRunner:
         row_of_token = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(starts[1:]) - torch.tensor(starts[:-1]))
         slots = block_tables[row_of_token, pos // self.block_size].long() * self.block_size + pos % self.block_size
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            slot_mapping=slots.to(dev, non_blocking=True),
+            query_start_loc=to_device(torch.tensor(starts, dtype=torch.int32), dev),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), dev),
+            block_tables=to_device(block_tables, dev),
+            slot_mapping=to_device(slots, dev),
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=pos.to(dev, non_blocking=True),
+            input_ids=to_device(torch.tensor(ids, dtype=torch.int64), dev),
+            positions=to_device(pos, dev),
             meta=meta,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64).to(dev, non_blocking=True),
+            logits_rows=to_device(torch.tensor(logits_rows, dtype=torch.int64), dev),
             sampled=sampled,
         )
 
