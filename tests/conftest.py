@@ -11,6 +11,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/prompts.py and friends
 
+# Without a GPU, Triton kernels run in its interpreter. Set before anything imports triton
+# (torch._dynamo does, by itself): triton reads the flag when its own jit functions are built.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 # Two cores: keep torch from oversubscribing them in every test process.
 torch.set_num_threads(int(os.environ.get("SIESTA_TEST_THREADS", os.cpu_count() or 1)))
 

@@ -1,4 +1,10 @@
-"""Building blocks shared by the decoder: RMSNorm, rotary embeddings, fused projections."""
+"""Building blocks shared by the decoder: RMSNorm, rotary embeddings, fused projections.
+
+On CUDA the small ops (norms, residual adds, rotary, SiLU-and-multiply) run as one
+Triton kernel each (``triton_ops``), bit-identical to the torch code here, which
+is what runs on CPU. Fewer kernels per layer is what a batch-1 decode step and an
+eager mixed step are short of.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return _triton_ops().rms_norm(x, self.weight, self.eps)
+        return self._reference(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the residual stream's next value and its norm."""
+        if x.is_cuda:
+            return _triton_ops().fused_add_rms_norm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return self._reference(total), total
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, scale in the model dtype: the reference implementation's rounding.
         dtype = x.dtype
         x32 = x.float()
@@ -72,9 +90,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:
+            return _triton_ops().apply_rope(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for the two halves of a fused gate/up projection."""
+    if gate_up.is_cuda:
+        return _triton_ops().silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _triton_ops():
+    # Imported on first CUDA use: CPU-only installs never load Triton for these.
+    from siesta.model import triton_ops
+
+    return triton_ops
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
