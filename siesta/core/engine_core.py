@@ -13,7 +13,7 @@ import time
 import msgspec
 
 from siesta.config import ConfigError, EngineConfig
-from siesta.core.device_memory import SleepableMemory
+from siesta.core.device_memory import MemoryReport
 from siesta.core.model_runner import ModelRunner
 from siesta.core.scheduler import Scheduler
 from siesta.kv.hashing import ExtraKeys
@@ -21,9 +21,9 @@ from siesta.kv.kv_manager import KVManager, cdiv
 from siesta.metrics import EngineStats, StatsSnapshot
 from siesta.model.loader import ModelSource, resolve_model
 from siesta.request import EngineCoreOutput, Request
+from siesta.sampling import SamplingParams
 from siesta.tiers.base import ConnectorContext, KVConnector
 from siesta.tiers.factory import create_connector
-from siesta.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class EngineStateError(RuntimeError):
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_LEVELS = (0, 1, 2)
 WAKE_TAGS = ("weights", "kv_cache")
+IDLE_WAIT_S = 0.005  # longest an idle step blocks on tier transfers before looking again
 
 
 def next_weight_version(current: str) -> str:
@@ -79,9 +80,9 @@ class EngineCore:
         self.connector = self._make_connector()
         self.scheduler.connector = self.connector
         self.runner.connector = self.connector
-        self.memory = SleepableMemory(
-            list(self.runner.model.parameters()), self.runner.kv_cache.tensor, self.runner.device
-        )
+        self.memory = self.runner.sleepable_memory()
+        # What the last sleep and wake moved, part by part (sleep_weights, wake_kv_cache, ...).
+        self.memory_reports: dict[str, MemoryReport] = {}
         self._pending: list[EngineCoreOutput] = []
         # Pause and sleep state. Requests that arrive while paused wait here until resume.
         self._held: list[EngineCoreRequest] = []
@@ -215,11 +216,12 @@ class EngineCore:
             self.connector.run_stores(sched.transfers, self.runner.kv_cache)
             self.connector.run_loads(sched.transfers, self.runner.kv_cache)
         elif self.connector is not None and sched.is_empty:
+            self.connector.wait_for_progress(IDLE_WAIT_S)
             self.connector.poll()
         if not sched.is_empty:
             try:
                 samples = self.runner.execute(sched)
-            except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
+            except Exception as e:
                 logger.exception("step failed; failing its %d requests", len(sched.scheduled))
                 ids = [item.request.request_id for item in sched.scheduled]
                 outputs.extend(self.scheduler.fail_requests(ids, f"{type(e).__name__}: {e}"))
@@ -319,9 +321,11 @@ class EngineCore:
         if level >= 1:
             if self.connector is not None:
                 self.connector.wait_for_stores(self.runner.kv_cache)  # nothing may read the cache once it is gone
-            released += self.memory.release_kv_cache().bytes
-            self.runner.memory_moved()
-            released += self.memory.release_weights(backup=level == 1).bytes
+            self.memory_reports["sleep_kv_cache"] = self.memory.release_kv_cache()
+            if not self.memory.keeps_addresses:
+                self.runner.memory_moved()
+            self.memory_reports["sleep_weights"] = self.memory.release_weights(backup=level == 1)
+            released = self.memory_reports["sleep_kv_cache"].bytes + self.memory_reports["sleep_weights"].bytes
             if level == 2:
                 self._weights_valid = False
         self.stats.inc("sleeps", level=str(level))
@@ -346,16 +350,18 @@ class EngineCore:
             return
         t0 = time.perf_counter()
         if "weights" in tags:
-            self.memory.restore_weights()
+            self.memory_reports["wake_weights"], _ = self.memory.restore_weights()
         if "kv_cache" in tags:
-            self.memory.restore_kv_cache()
-        self.runner.memory_moved()
+            self.memory_reports["wake_kv_cache"] = self.memory.restore_kv_cache()
+        if not self.memory.keeps_addresses:
+            self.runner.memory_moved()
         self.stats.inc("wake_seconds", time.perf_counter() - t0)
         if self.memory.weights_released or self.memory.kv_released:
             return  # a staged wake: the rest comes with a later call
         if not self._weights_valid:
             self.reload_weights()
-        self.runner.recapture_graphs()
+        if not self.memory.keeps_addresses:
+            self.runner.recapture_graphs()  # after the weights are back: capture runs the model
         self._sleep_level = None
         self.stats.inc("wakes")
         self.resume()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from siesta.core.staging import to_device, to_host_list
 from siesta.sampling import SamplingParams
 
 # Rows are picked with ``tensor[index]`` throughout: CPU index_select is ~20x slower on wide rows.
@@ -297,7 +298,7 @@ class _RawLogprobs:
 
 def _results(tokens: torch.Tensor, raw: _RawLogprobs | None, rows: list[SamplingRow]) -> list[SampleResult]:
     if raw is None:
-        return [SampleResult(token_id=t) for t in tokens.tolist()]
+        return [SampleResult(token_id=t) for t in to_host_list(tokens)]
     top_n = max(rows[i].params.logprobs or 0 for i in raw.rows)
     sampled = raw.logprobs.gather(1, tokens[raw.index].unsqueeze(1))
     # Summing floats is ~2x faster than bools on CPU and exact below 2**24 tokens.
@@ -319,7 +320,7 @@ def _to_host(*tensors: torch.Tensor) -> list[list[float]]:
     float64 holds token ids and ranks (< 2**53) and float32 logprobs exactly.
     """
     sizes = [t.numel() for t in tensors]
-    flat = torch.cat([t.reshape(-1).double() for t in tensors]).tolist()
+    flat = to_host_list(torch.cat([t.reshape(-1).double() for t in tensors]))
     starts = [sum(sizes[:k]) for k in range(len(sizes))]
     return [flat[start : start + size] for start, size in zip(starts, sizes)]
 
@@ -329,14 +330,7 @@ def _to_host(*tensors: torch.Tensor) -> list[list[float]]:
 
 def _device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on ``device``."""
-    return _host_to_device(torch.tensor(values, dtype=dtype), device)
-
-
-def _host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # Pinned + non_blocking: a pageable copy would wait for the model's queued kernels.
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -359,4 +353,4 @@ def _token_positions(
     # skipped: the model never emits them, and one odd id must not fail the whole step.
     in_vocab = (token_ids >= 0) & (token_ids < vocab)
     positions = rows[in_vocab] * vocab + token_ids[in_vocab]
-    return _host_to_device(torch.from_numpy(positions), device)
+    return to_device(torch.from_numpy(positions), device)

@@ -131,6 +131,9 @@ class KVConnector(ABC):
     def wait_for_loads(self) -> None:
         """Block until every load in flight has landed."""
 
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Called when nothing can compute: block a little (releasing the GIL) while transfers run."""
+
     @abstractmethod
     def wait_for_stores(self, kv_cache: KVCache) -> None:
         """Issue and finish every store; after this no device block is being read."""

@@ -69,6 +69,10 @@ class MultiConnector(KVConnector):
         for c in self.children:
             c.wait_for_loads()
 
+    def wait_for_progress(self, timeout_s: float) -> None:
+        for c in self.children:
+            c.wait_for_progress(timeout_s / len(self.children))
+
     def wait_for_stores(self, kv_cache: KVCache) -> None:
         for c in self.children:
             c.wait_for_stores(kv_cache)

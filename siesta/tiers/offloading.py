@@ -10,6 +10,8 @@ has its stores flushed and its load left alone, so keeping the tier is safe.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,10 @@ from siesta.tiers.transfer import BlockCopier
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_BYTES = 1 << 30
+# Loads in flight at once, issued in chunks as earlier ones land. A copy queue holding a
+# whole resume's gigabytes delays the step's own small copies until all of it has moved.
+DEFAULT_LOAD_WINDOW_BYTES = 256 << 20
+IDLE_POLL_S = 2e-4  # how often an idle engine looks at the loads in flight
 ROLES_THAT_LOAD = ("kv_both", "kv_consumer")
 ROLES_THAT_STORE = ("kv_both", "kv_producer")
 
@@ -39,11 +45,13 @@ class OffloadConfig:
     disk_path: str | None
     disk_bytes_to_use: int
     offload_prompt_only: bool
+    load_window_bytes: int
     role: str
 
     @classmethod
     def parse(cls, extra: dict[str, Any], device_block_size: int, role: str) -> OffloadConfig:
-        known = {"block_size", "cpu_bytes_to_use", "disk_path", "disk_bytes_to_use", "offload_prompt_only"}
+        known = {"block_size", "cpu_bytes_to_use", "disk_path", "disk_bytes_to_use", "offload_prompt_only",
+                 "load_window_bytes"}  # fmt: skip
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"OffloadingConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
@@ -53,6 +61,7 @@ class OffloadConfig:
             disk_path=extra.get("disk_path"),
             disk_bytes_to_use=int(extra.get("disk_bytes_to_use", 0)),
             offload_prompt_only=bool(extra.get("offload_prompt_only", False)),
+            load_window_bytes=int(extra.get("load_window_bytes", DEFAULT_LOAD_WINDOW_BYTES)),
             role=role,
         )
         if cfg.block_size <= 0 or cfg.block_size % device_block_size:
@@ -62,6 +71,8 @@ class OffloadConfig:
             )
         if cfg.cpu_bytes_to_use <= 0:
             raise ValueError("OffloadingConnector: cpu_bytes_to_use must be positive")
+        if cfg.load_window_bytes <= 0:
+            raise ValueError("OffloadingConnector: load_window_bytes must be positive")
         if cfg.disk_path is not None and cfg.disk_bytes_to_use <= 0:
             raise ValueError("OffloadingConnector: disk_path needs a positive disk_bytes_to_use")
         return cfg
@@ -84,7 +95,8 @@ class LoadPiece:
 class LoadJob:
     request_id: str
     pieces: list[LoadPiece]
-    event: Any = None
+    event: Any = None  # the copy handle of its last chunk: set once every piece is issued
+    next_piece: int = 0  # pieces before this one are issued
 
 
 @dataclass
@@ -120,7 +132,10 @@ class OffloadingConnector(KVConnector):
         self._store_keys: set[BlockHash] = set()  # planned or in flight
         # Worker-side transfers still running.
         self._inflight_stores: list[StoreJob] = []
-        self._inflight_loads: list[LoadJob] = []
+        self._inflight_loads: list[LoadJob] = []  # fully issued, not yet landed
+        self._load_queue: deque[LoadJob] = deque()  # not fully issued yet, in arrival order
+        self._load_chunks: deque[tuple[Any, int]] = deque()  # (copy handle, bytes) issued, in order
+        self._kv_cache: KVCache | None = None
         self._landed: list[str] = []  # requests whose loads finished, for the scheduler to pick up
         self._disk_writes: list[tuple[BlockHash, Future[int]]] = []
         self._evictions_seen = {"host": 0, "disk": self.disk.evictions if self.disk is not None else 0}
@@ -222,7 +237,8 @@ class OffloadingConnector(KVConnector):
         self._stored_upto[request.request_id] = max(start, full)
 
     def has_pending_work(self) -> bool:
-        return bool(self._planned or self._inflight_stores or self._inflight_loads or self._disk_writes)
+        return bool(self._planned or self._inflight_stores or self._inflight_loads or self._load_queue
+                    or self._disk_writes)  # fmt: skip
 
     # -- worker side ---------------------------------------------------------------------
 
@@ -237,15 +253,55 @@ class OffloadingConnector(KVConnector):
         self.poll()
 
     def run_loads(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
+        self._kv_cache = kv_cache
         for job in transfers.loads:
             for piece in job.pieces:
-                first = piece.entry_first
-                src = self.host.data(piece.entry)[first : first + piece.count]
-                self.copier.load(src, kv_cache, piece.block_ids)
                 self.ctx.stats.inc("kv_offload_load_bytes", len(piece.block_ids) * self.ctx.block_bytes, tier="host")
-            job.event = self.copier.loads_issued()  # one per request: each joins as soon as its KV landed
-            self._inflight_loads.append(job)
+            self._load_queue.append(job)
         self.poll()
+
+    def _issue_loads(self, unbounded: bool = False) -> None:
+        """Issue queued loads, chunk by chunk, while fewer than the window's bytes are in flight."""
+        while self._load_chunks and self.copier.done(self._load_chunks[0][0]):
+            self._load_chunks.popleft()
+        window = self.cfg.load_window_bytes
+        in_flight = sum(n for _, n in self._load_chunks)
+        while self._load_queue and (unbounded or in_flight < window):
+            job = self._load_queue[0]
+            pieces: list[tuple[torch.Tensor, list[int]]] = []
+            nbytes = 0
+            while job.next_piece < len(job.pieces) and (unbounded or not pieces or in_flight + nbytes < window):
+                piece = job.pieces[job.next_piece]
+                job.next_piece += 1
+                first = piece.entry_first
+                pieces.append((self.host.data(piece.entry)[first : first + piece.count], piece.block_ids))
+                nbytes += len(piece.block_ids) * self.ctx.block_bytes
+            handle = self.copier.load(pieces, self._kv_cache)
+            self._load_chunks.append((handle, nbytes))
+            in_flight += nbytes
+            if job.next_piece == len(job.pieces):
+                job.event = handle  # chunks land in issue order: the last one marks the job landed
+                self._inflight_loads.append(self._load_queue.popleft())
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Block (releasing the GIL) until the oldest load chunk lands or ``timeout_s`` passes.
+
+        For an engine with nothing to compute but loads in flight: the next ``poll`` issues
+        more as soon as there is room, and requests join as soon as their KV landed.
+        """
+        if not self._load_chunks:
+            return
+        handle = self._load_chunks[0][0]
+        if isinstance(handle, Future):  # issued by the copier's thread: wait for the issue first
+            try:
+                handle = handle.result(timeout=timeout_s)
+            except TimeoutError:
+                return
+        if handle is None:
+            return
+        deadline = time.perf_counter() + timeout_s
+        while not handle.query() and time.perf_counter() < deadline:
+            time.sleep(IDLE_POLL_S)
 
     def finished_loads(self) -> list[str]:
         self.poll()
@@ -253,11 +309,14 @@ class OffloadingConnector(KVConnector):
         return landed
 
     def wait_for_loads(self) -> None:
+        self._issue_loads(unbounded=True)
         for job in self._inflight_loads:
             self.copier.wait(job.event)
         self.poll()
 
     def poll(self) -> None:
+        if self._load_queue:
+            self._issue_loads()
         # Take finished jobs off the lists before retiring them: a failure while retiring
         # one must not leave it to be retired (and its blocks freed) a second time.
         done_stores, self._inflight_stores = self._split_done(self._inflight_stores)
@@ -304,9 +363,7 @@ class OffloadingConnector(KVConnector):
         self.run_stores(StepTransfers(stores=planned), kv_cache)
         for job in self._inflight_stores:
             self.copier.wait(job.event)
-        for job in self._inflight_loads:
-            self.copier.wait(job.event)
-        self.poll()
+        self.wait_for_loads()
         self._retire_disk_writes(block=True)
         self._record_usage()
 

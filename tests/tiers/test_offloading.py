@@ -338,3 +338,70 @@ def test_update_weights_from_a_model_path(tmp_path):
     # And back: the original weights give the original tokens again.
     llm.update_weights(source.iter_weights(torch.float32, "cpu"), weight_version="original")
     assert generate(llm, ps) == ref
+
+
+# -- loads issued through a window -------------------------------------------------------
+
+
+class _Held:
+    """A copy handle that lands only when the test says so."""
+
+    def __init__(self) -> None:
+        self.landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+
+class HeldCopier:
+    """The real (CPU) copier, except that loads count as landed only once released."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.loads: list[tuple[_Held, int]] = []  # (handle, blocks) in issue order
+
+    def load(self, pieces, kv):
+        self.real.load(pieces, kv)
+        handle = _Held()
+        self.loads.append((handle, sum(len(ids) for _, ids in pieces)))
+        return handle
+
+    def store(self, kv, block_ids, dst):
+        return self.real.store(kv, block_ids, dst)
+
+    @staticmethod
+    def done(handle) -> bool:
+        return handle is None or not isinstance(handle, _Held) or handle.landed
+
+    @staticmethod
+    def wait(handle) -> None:
+        if isinstance(handle, _Held):
+            handle.landed = True
+
+
+def test_loads_go_out_a_window_at_a_time_and_the_request_waits_for_the_last():
+    llm = engine()  # block bytes first, to size the window in whole pieces
+    piece_bytes = (TIER_BLOCK // BLOCK) * llm.engine.runner.kv_cache.block_bytes
+    llm = engine(offload(load_window_bytes=piece_bytes))
+    ps = prompts(1)
+    ref = generate(llm, ps)
+    llm.sleep(level=1, clear_connector_cache=False)
+    llm.wake_up()
+    connector = llm.engine.connector
+    held = HeldCopier(connector.copier)
+    connector.copier = held
+    rid = llm.add_request({"prompt_token_ids": ps[0]}, GREEDY)
+    pieces = (len(ps[0]) - 1) // TIER_BLOCK
+    scheduler = llm.engine.scheduler
+    for issued in range(1, pieces + 1):
+        llm.step()
+        assert len(held.loads) == issued, "one piece's bytes in flight at a time"
+        assert rid in scheduler.loading, "no compute before the last chunk lands"
+        llm.step()  # nothing landed: nothing more goes out
+        assert len(held.loads) == issued
+        held.loads[-1][0].landed = True
+    outputs = []
+    while llm.engine.has_work():
+        outputs.extend(o for o in llm.step() if o.finished)
+    assert [blocks for _, blocks in held.loads] == [TIER_BLOCK // BLOCK] * pieces
+    assert outputs[0].outputs[0].token_ids == ref[0]
