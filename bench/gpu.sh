@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU call: install the wheels the host lacks, check, time, print a table last, JSON under $OUT.
+# One GPU call: install the wheels the host lacks, run the GPU-only tests, time, print a table last,
+# JSON under $OUT.
 #   (here) ../shared/gpu/bundle-wheels .whl msgspec   # then run with carry [".whl"]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +13,10 @@ fi
 export PYTHONUNBUFFERED=1 SIESTA_CACHE_DIR=/tmp/siesta-cache
 OUT=${OUT:-bench/results}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+# Tests that only a GPU can run (Triton in bf16, CUDA graphs, virtual-memory sleep).
+GPU_TESTS=${SIESTA_GPU_TESTS:-tests/model/test_triton_ops.py tests/tiers/test_transfer.py tests/core/test_vmm.py tests/attention}
+if [ "$GPU_TESTS" != none ]; then
+  timeout "${SIESTA_GPU_TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -x $GPU_TESTS 2>&1 \
+    | tee "$OUT/gpu-tests.log" | tail -15
+fi
 python3 -m siesta.bench.gpu --json "$OUT/gpu.json" "$@" 2>&1 | tee "$OUT/gpu.log"

@@ -31,8 +31,14 @@ def _metrics(llm) -> dict[str, float]:
     return {k: v for k, v in llm.get_metrics().items() if any(c in k for c in COUNTERS)}
 
 
-def _fire_all(llm, prompts: list[list[int]], max_tokens: int) -> list[float]:
-    """Submit every prompt at once; each one's latency is its finish time minus the start."""
+def _fire_all(
+    llm, prompts: list[list[int]], max_tokens: int, step_ends: list[tuple[float, int, int]] | None = None
+) -> list[float]:
+    """Submit every prompt at once; each one's latency is its finish time minus the start.
+
+    ``step_ends`` collects, per engine step, when it ended (seconds from the start) and how
+    many requests were then running and loading.
+    """
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     ids = {llm.add_request({"prompt_token_ids": p}, params) for p in prompts}
@@ -41,6 +47,9 @@ def _fire_all(llm, prompts: list[list[int]], max_tokens: int) -> list[float]:
         for out in llm.step():
             if out.finished and out.request_id in ids:
                 latency[out.request_id] = time.perf_counter() - t0
+        if step_ends is not None:
+            sched = llm.engine.scheduler
+            step_ends.append((round(time.perf_counter() - t0, 4), len(sched.running), len(sched.loading)))
     return list(latency.values())
 
 
@@ -53,13 +62,16 @@ def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int) -> 
     llm.sleep(level=1, clear_connector_cache=not keep_tier)
     llm.wake_up()
     sleep_wake_s = time.perf_counter() - t0
-    replay = _fire_all(llm, prompts, max_tokens)
+    step_ends: list[tuple[float, int, int]] = []
+    replay = _fire_all(llm, prompts, max_tokens, step_ends)
     after = _metrics(llm)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
     return {
         "keep_tier": keep_tier,
         "warm_p50_s": median(warm),
         "replay_p50_s": median(replay),
+        "replay_latencies_s": sorted(round(x, 4) for x in replay),
+        "replay_steps": step_ends,  # (end s, running, loading) per step
         "sleep_wake_s": sleep_wake_s,
         "metric_delta": {k: v for k, v in sorted(delta.items()) if v},
     }

@@ -18,6 +18,8 @@ import torch
 from siesta.bench.common import print_table, random_prompts, write_json
 from siesta.sampling import SamplingParams
 
+PREEMPTIONS = "siesta_num_preemptions_total"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
@@ -45,8 +47,11 @@ def _siesta_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
 
 def _siesta_arm(llm, args: argparse.Namespace, prompts: list[list[int]], vocab: int) -> dict[str, Any]:
     _siesta_generate(llm, random_prompts(2, 16, 32, vocab, seed=99), 4)  # warm-up
+    preempted = llm.get_metrics().get(PREEMPTIONS, 0.0)
     elapsed = _siesta_generate(llm, prompts, args.output_len)
     res = {"elapsed_s": elapsed, "output_tok_s": len(prompts) * args.output_len / elapsed}
+    # Recomputed work, which a KV cache too small for the batch costs (see --kv-cache-bytes).
+    res["preemptions"] = llm.get_metrics().get(PREEMPTIONS, 0.0) - preempted
     long_prompt = random_prompts(1, args.prefill_len, args.prefill_len, vocab, seed=1)
     res["prefill_tok_s"] = args.prefill_len / _siesta_generate(llm, long_prompt, 1)
     for b in _batches(args):
@@ -138,7 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _report(result: dict[str, Any]) -> None:
     arms = [a for a in ("siesta", "transformers") if a in result]
-    keys = [k for k in result["siesta"] if k != "elapsed_s"]
+    keys = [k for k in result["siesta"] if k not in ("elapsed_s", "preemptions")]
     rows = []
     for k in keys:
         row = [k, *(result[a][k] for a in arms)]
@@ -147,3 +152,4 @@ def _report(result: dict[str, Any]) -> None:
         rows.append(row)
     headers = ["metric", *arms] + (["siesta / transformers"] if len(arms) == 2 else [])
     print_table("throughput (tok/s)", headers, rows)
+    print(f"siesta preempted {result['siesta']['preemptions']:.0f} times")
