@@ -1,8 +1,9 @@
 """Small host<->device copies of a step (its inputs, its sampled tokens) through pinned memory.
 
-A pageable copy is staged by the driver and queues behind the bulk DMA in flight in
-the same direction (gigabytes of tier loads or stores); a pinned one is an ordinary
-asynchronous copy on the compute stream and does not wait for them.
+A pageable copy is staged by the driver and blocks the host while it does; a pinned
+one is an ordinary asynchronous copy, ordered on the compute stream only, and the
+sampled tokens' copy back waits for that stream alone, not for tier transfers on
+their own streams.
 """
 
 from __future__ import annotations

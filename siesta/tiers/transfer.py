@@ -23,8 +23,8 @@ from siesta.attention.base import KVCache
 
 logger = logging.getLogger(__name__)
 
-# What a copy returns: None when it already happened (CPU), else the future of an event
-# that fires once the copy has landed.
+# What a copy returns: None when it already happened (CPU); else an event that fires once
+# the copy has landed (batched issue), or the future of one (issued by the thread).
 CopyHandle = Future | torch.cuda.Event | None
 
 
