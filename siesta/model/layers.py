@@ -1,8 +1,8 @@
 """Building blocks shared by the decoder: RMSNorm, rotary embeddings, fused projections.
 
 On CUDA the small ops (norms, residual adds, rotary, SiLU-and-multiply) run as one
-Triton kernel each (``triton_ops``), bit-identical to the torch code here, which
-is what runs on CPU. Fewer kernels per layer is what a batch-1 decode step and an
+Triton kernel each (``triton_ops``), matching the torch code here (what runs on
+CPU) bit for bit except for the summation order of RMSNorm's fp32 sum of squares. Fewer kernels per layer is what a batch-1 decode step and an
 eager mixed step are short of.
 """
 
