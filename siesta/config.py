@@ -71,7 +71,7 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     # On CPU there is no device to fill; this many bytes are used unless kv_cache_bytes says otherwise.
-    cpu_kv_cache_bytes: int = 1 << 30
+    cpu_kv_cache_bytes: int = 4 << 30  # what vLLM's CPU backend takes by default; committed only as used
     enable_prefix_caching: bool = True
 
     def validate(self) -> None:

@@ -7,6 +7,7 @@ block between tiers is a single copy.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,6 +17,9 @@ import torch
 @dataclass
 class KVCache:
     tensor: torch.Tensor  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+    # On CPU: the anonymous mapping behind ``tensor``. Its pages are zero until written and
+    # committed only then, so a large cache costs what it holds; sleep gives them back.
+    host_map: mmap.mmap | None = None
 
     @classmethod
     def allocate(
@@ -31,9 +35,12 @@ class KVCache:
     ) -> KVCache:
         """A zeroed cache; in ``storage`` (uint8, at least the cache's bytes) when given."""
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        nbytes = num_blocks * cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        if storage is None and torch.device(device).type == "cpu":
+            host_map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            return cls(torch.frombuffer(host_map, dtype=torch.uint8).view(dtype).view(shape), host_map)
         if storage is None:
             return cls(torch.zeros(shape, dtype=dtype, device=device))
-        nbytes = num_blocks * cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
         tensor = storage[:nbytes].view(dtype).view(shape)
         tensor.zero_()
         return cls(tensor)

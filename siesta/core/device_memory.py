@@ -13,11 +13,13 @@ link speed); level 2 releases them without a backup.
 
 from __future__ import annotations
 
+import mmap
 import time
 from dataclasses import dataclass
 
 import torch
 
+from siesta.attention.base import KVCache
 from siesta.core.vmm import VirtualArena
 
 
@@ -44,12 +46,15 @@ def _unique_storages(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
 class SleepableMemory:
     keeps_addresses = False
 
-    def __init__(self, weights: list[torch.Tensor], kv_cache: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, weights: list[torch.Tensor], kv_cache: KVCache, device: torch.device) -> None:
         self.device = device
         self._weights = _unique_storages(weights)
         self._weight_sizes = [s.nbytes() for s in self._weights]
-        self._kv = kv_cache.untyped_storage()
+        self._kv = kv_cache.tensor.untyped_storage()
         self._kv_size = self._kv.nbytes()
+        # A CPU cache in an anonymous mapping keeps its address: its pages are dropped instead
+        # (they read as zeros afterwards, which is what a restored cache must hold).
+        self._kv_map = kv_cache.host_map
         self._backup: list[torch.UntypedStorage] | None = None
         self._has_backup = False  # the backup holds the current weights
         self.weights_released = False
@@ -101,7 +106,10 @@ class SleepableMemory:
         if self.kv_released:
             return MemoryReport()
         t0 = time.perf_counter()
-        self._kv.resize_(0)
+        if self._kv_map is not None:
+            self._kv_map.madvise(mmap.MADV_DONTNEED)
+        else:
+            self._kv.resize_(0)
         self.kv_released = True
         self._return_to_device()
         return MemoryReport(self._kv_size, time.perf_counter() - t0)
@@ -110,9 +118,10 @@ class SleepableMemory:
         if not self.kv_released:
             return MemoryReport()
         t0 = time.perf_counter()
-        self._kv.resize_(self._kv_size)
-        # Fresh memory may hold NaN bit patterns; unwritten slots of a block must read as finite.
-        self._kv.fill_(0)
+        if self._kv_map is None:
+            self._kv.resize_(self._kv_size)
+            # Fresh memory may hold NaN bit patterns; unwritten slots of a block must read as finite.
+            self._kv.fill_(0)
         self.kv_released = False
         return MemoryReport(self._kv_size, time.perf_counter() - t0)
 

@@ -105,7 +105,7 @@ class ModelRunner:
     def sleepable_memory(self) -> SleepableMemory | ArenaMemory:
         if self.weight_arena is not None and self.kv_arena is not None:
             return ArenaMemory(self.weight_arena, self.kv_arena)
-        return SleepableMemory(list(self.model.parameters()), self.kv_cache.tensor, self.device)
+        return SleepableMemory(list(self.model.parameters()), self.kv_cache, self.device)
 
     def _kv_cache_bytes(self) -> int:
         cache = self.config.cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from siesta import LLM, SamplingParams
 from siesta.core.engine_core import EngineStateError
@@ -80,11 +81,13 @@ def test_keep_freezes_and_resumes_exactly(llm, reference, clear_cache):
 def test_sleep_levels_release_memory_and_resume_exactly(llm, reference, level):
     ids = start(llm)
     kv_bytes = llm.engine.memory.kv_bytes
+    kv = llm.engine.runner.kv_cache.tensor
+    assert torch.count_nonzero(kv) > 0  # the requests in flight wrote KV
     llm.sleep(level=level, mode="keep")
     assert llm.is_sleeping() and llm.is_paused()
-    kv_storage = llm.engine.runner.kv_cache.tensor.untyped_storage()
     weight_storage = llm.engine.runner.model.model.embed_tokens.weight.untyped_storage()
-    assert (kv_storage.nbytes() == 0) == (level >= 1)
+    # The CPU cache's pages are dropped (they read as zeros again); the weights' storage goes.
+    assert (torch.count_nonzero(kv) == 0) == (level >= 1)
     assert (weight_storage.nbytes() == 0) == (level >= 1)
     released = llm.get_metrics()["siesta_device_bytes_released"]
     assert released == (0 if level == 0 else kv_bytes + llm.engine.memory.weight_bytes)
@@ -101,7 +104,7 @@ def test_sleep_levels_release_memory_and_resume_exactly(llm, reference, level):
 def test_sleep_in_wait_mode_releases_after_the_drain(llm, reference):
     ids = start(llm)
     llm.sleep(level=1, mode="wait")
-    assert llm.engine.runner.kv_cache.tensor.untyped_storage().nbytes() == 0
+    assert torch.count_nonzero(llm.engine.runner.kv_cache.tensor) == 0
     outs = {o.request_id: o for o in llm.step()}
     assert [outs[i].outputs[0].token_ids for i in ids] == reference
     llm.wake_up()
