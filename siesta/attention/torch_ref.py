@@ -13,7 +13,7 @@ from torch.nn.attention.bias import causal_lower_right
 from siesta.attention.base import AttentionMetadata, KVCache
 
 # Decode rows whose contexts differ by more than this factor are attended in separate groups.
-DECODE_GROUP_SPREAD = 2.0
+DECODE_GROUP_SPREAD = 1.25
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor) -> None:
