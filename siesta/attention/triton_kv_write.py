@@ -18,6 +18,11 @@ _ELEMENTS_PER_WARP = 256
 _MAX_WARPS = 8
 
 
+def row_num_warps(elements: int) -> int:
+    """Warps for a program that moves one row of ``elements`` half-precision values."""
+    return max(1, min(_MAX_WARPS, elements // _ELEMENTS_PER_WARP))
+
+
 @triton.jit
 def _write_kv_kernel(
     k_ptr,
@@ -89,7 +94,7 @@ def write_kv_triton(
     v = _last_dim_contiguous(v)
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
-    num_warps = max(1, min(_MAX_WARPS, block_h * block_d // _ELEMENTS_PER_WARP))
+    num_warps = row_num_warps(block_h * block_d)
     _write_kv_kernel[(num_tokens,)](
         k,
         v,

@@ -32,22 +32,16 @@ import torch
 import triton
 import triton.language as tl
 
+from siesta.attention.triton_kv_write import row_num_warps
+
 try:  # Dispatches to the backend's libdevice when compiled (CUDA or HIP).
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - older Triton
     libdevice = None
 
-# One warp per 256 elements (32 threads x 8 half-precision values, one 16-byte
-# access each), as in triton_kv_write.
-_ELEMENTS_PER_WARP = 256
-_MAX_WARPS = 8
 # Columns per program of silu_and_mul: a row of the MLP's intermediate activations
 # is long (thousands), so it is split to keep enough programs running for one token.
 _SILU_BLOCK = 1024
-
-
-def _num_warps(elements: int) -> int:
-    return max(1, min(_MAX_WARPS, elements // _ELEMENTS_PER_WARP))
 
 
 def _use_libdevice(device: torch.device) -> bool:
@@ -180,7 +174,7 @@ def _rms_norm(
         BLOCK_D=block_d,
         HAS_RESIDUAL=residual is not None,
         MEAN_BY_DIVISION=x.device.type == "cpu",
-        num_warps=_num_warps(block_h * block_d),
+        num_warps=row_num_warps(block_h * block_d),
         enable_fp_fusion=False,
     )
     return out, summed
@@ -263,7 +257,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         INTER=inter,
         BLOCK=block,
         USE_LIBDEVICE=use_libdevice,
-        num_warps=_num_warps(block),
+        num_warps=row_num_warps(block),
         enable_fp_fusion=False,
         **options,
     )
@@ -419,7 +413,7 @@ def apply_rope(
         BLOCK_HQ=block_hq,
         BLOCK_HK=block_hk,
         BLOCK_HALF=block_half,
-        num_warps=_num_warps(2 * block_hq * block_half),
+        num_warps=row_num_warps(2 * block_hq * block_half),
         enable_fp_fusion=False,
     )
     return q_out, k_out
