@@ -10,7 +10,6 @@ has its stores flushed and its load left alone, so keeping the tier is safe.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +32,6 @@ DEFAULT_CPU_BYTES = 1 << 30
 # Loads in flight at once, issued in chunks as earlier ones land. A copy queue holding a
 # whole resume's gigabytes delays the step's own small copies until all of it has moved.
 DEFAULT_LOAD_WINDOW_BYTES = 256 << 20
-IDLE_POLL_S = 2e-4  # how often an idle engine looks at the loads in flight
 ROLES_THAT_LOAD = ("kv_both", "kv_consumer")
 ROLES_THAT_STORE = ("kv_both", "kv_producer")
 
@@ -289,19 +287,8 @@ class OffloadingConnector(KVConnector):
         For an engine with nothing to compute but loads in flight: the next ``poll`` issues
         more as soon as there is room, and requests join as soon as their KV landed.
         """
-        if not self._load_chunks:
-            return
-        handle = self._load_chunks[0][0]
-        if isinstance(handle, Future):  # issued by the copier's thread: wait for the issue first
-            try:
-                handle = handle.result(timeout=timeout_s)
-            except TimeoutError:
-                return
-        if handle is None:
-            return
-        deadline = time.perf_counter() + timeout_s
-        while not handle.query() and time.perf_counter() < deadline:
-            time.sleep(IDLE_POLL_S)
+        if self._load_chunks:
+            self.copier.wait_for(self._load_chunks[0][0], timeout_s)
 
     def finished_loads(self) -> list[str]:
         self.poll()

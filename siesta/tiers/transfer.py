@@ -14,6 +14,7 @@ thread issues them one by one (a full copy queue then blocks only that thread).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -22,6 +23,8 @@ import torch
 from siesta.attention.base import KVCache
 
 logger = logging.getLogger(__name__)
+
+POLL_S = 2e-4  # how often a bounded wait looks at a copy in flight
 
 # What a copy returns: None when it already happened (CPU); else an event that fires once
 # the copy has landed (batched issue), or the future of one (issued by the thread).
@@ -107,6 +110,18 @@ class BlockCopier:
         event = cls._event(handle)
         if event is not None:
             event.synchronize()
+
+    @staticmethod
+    def wait_for(handle: CopyHandle, timeout_s: float) -> None:
+        """``wait`` for at most ``timeout_s``, releasing the GIL (a thread may be issuing copies)."""
+        deadline = time.perf_counter() + timeout_s
+        if isinstance(handle, Future):
+            try:
+                handle = handle.result(timeout=timeout_s)
+            except TimeoutError:
+                return
+        while handle is not None and not handle.query() and time.perf_counter() < deadline:
+            time.sleep(POLL_S)
 
 
 def _run_parts(cache: torch.Tensor, ids: Sequence[int], host: torch.Tensor, direction: str):
