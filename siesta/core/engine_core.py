@@ -221,7 +221,7 @@ class EngineCore:
         if not sched.is_empty:
             try:
                 samples = self.runner.execute(sched)
-            except Exception as e:
+            except Exception as e:  # one bad step must not take the engine down
                 logger.exception("step failed; failing its %d requests", len(sched.scheduled))
                 ids = [item.request.request_id for item in sched.scheduled]
                 outputs.extend(self.scheduler.fail_requests(ids, f"{type(e).__name__}: {e}"))
