@@ -217,6 +217,8 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
 
     tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"block_size": args.tier_block_size, "cpu_bytes_to_use": args.tier_bytes}}  # fmt: skip
+    if args.load_window_mib is not None:
+        tier["kv_connector_extra_config"]["load_window_bytes"] = args.load_window_mib << 20
     t0 = time.perf_counter()
     llm = _llm(args, kv_transfer_config=tier, gpu_memory_utilization=0.9)
     init_s = time.perf_counter() - t0
@@ -275,8 +277,12 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
     """Decode step time while the store stream copies blocks to host at link speed, against none.
 
     Two layouts of the stored blocks: whole tier entries (runs of consecutive device blocks,
-    what a fresh pool hands a request) and single scattered blocks (the worst case, one DMA each).
+    what a fresh pool hands a request) and single scattered blocks (the worst case, one DMA
+    each), both issued by the step loop in one call per step; and whole entries handed to
+    the connector's feeder thread, which keeps a bounded window in flight (its own path).
     """
+    from siesta.tiers.copy_feeder import CopyFeeder
+    from siesta.tiers.offloading import DEFAULT_STORE_WINDOW_BYTES
     from siesta.tiers.transfer import BlockCopier
 
     llm = _llm(args, gpu_memory_utilization=0.85)
@@ -291,18 +297,32 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     # Blocks from the top of the pool, which the decode batch's requests do not reach.
     top = kv.num_blocks - per_step
-    layouts = {
-        "entries": [top + e * run + i for e in torch.randperm(per_step // run, generator=gen).tolist() for i in range(run)],
-        "scattered": (top + torch.randperm(per_step, generator=gen)).tolist(),
+    entries = [top + e * run + i for e in torch.randperm(per_step // run, generator=gen).tolist() for i in range(run)]
+    feeder = CopyFeeder(copier, "out", DEFAULT_STORE_WINDOW_BYTES, kv.block_bytes, threaded=True)
+
+    def fed(ids: list[int]) -> None:
+        for e in range(0, len(ids), run):
+            feeder.submit(None, [(host[e : e + run], ids[e : e + run])], kv)
+
+    arms = {
+        "entries": lambda: copier.store(kv, entries, host),
+        "scattered": lambda ids=(top + torch.randperm(per_step, generator=gen)).tolist(): copier.store(kv, ids, host),
+        "entries_fed": lambda: fed(entries),
     }
     out: dict[str, Any] = {"batch": batch, "plain_step_ms": plain_s * 1e3, "stored_bytes_per_step": per_step * kv.block_bytes,
-                           "batched_issue": copier.batched}  # fmt: skip
+                           "batched_issue": copier.batched, "store_window_bytes": DEFAULT_STORE_WINDOW_BYTES}  # fmt: skip
     runner = llm.engine.runner
-    for name, src in layouts.items():
-        handles = []
-        plain_execute = runner.execute
-        runner.execute = lambda sched, src=src, handles=handles, plain=plain_execute: (
-            handles.append(copier.store(kv, src, host)), plain(sched))[1]
+    for name, issue in arms.items():
+        handles: list[Any] = []
+        issue_s: list[float] = []
+
+        def execute(sched, issue=issue, handles=handles, issue_s=issue_s, plain=runner.execute):
+            t0 = time.perf_counter()
+            handles.append(issue())
+            issue_s.append(time.perf_counter() - t0)
+            return plain(sched)
+
+        runner.execute = execute
         try:
             storing_s = _decode_step_s(llm, batch, args.decode_context, steps)
         finally:
@@ -310,10 +330,12 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         for h in handles:
             copier.wait(h)
+        feeder.drain()
         backlog_s = time.perf_counter() - t0
         out[name] = {"storing_step_ms": storing_s * 1e3, "slowdown": storing_s / plain_s - 1,
+                     "issue_ms_per_step": 1e3 * sum(issue_s) / max(len(issue_s), 1),
                      "store_GB_s": len(handles) * per_step * kv.block_bytes / (storing_s * steps + backlog_s) / 1e9}  # fmt: skip
-    out["slowdown"] = out["entries"]["slowdown"]
+    out["slowdown"] = min(out["entries"]["slowdown"], out["entries_fed"]["slowdown"])
     return out
 
 
@@ -383,9 +405,9 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
     rows.append(["resume kept vs cleared (p50 speedup)", get("resume", "speedup_p50"), "goal >= 15x"])
     rows.append(["tier store / load GB/s", f"{get('transfers', 'store_GB_s', default=0) or 0:.1f} / "
                  f"{get('transfers', 'load_GB_s', default=0) or 0:.1f}", "goal >= 45"])  # fmt: skip
-    rows.append(["decode slowdown while storing (entries / scattered)",
-                 f"{get('store_overlap', 'entries', 'slowdown', default=0) or 0:.1%} / "
-                 f"{get('store_overlap', 'scattered', 'slowdown', default=0) or 0:.1%}", "goal <= 5%"])  # fmt: skip
+    rows.append(["decode slowdown storing (entries / scattered / fed)",
+                 " / ".join(f"{get('store_overlap', arm, 'slowdown', default=0) or 0:.1%}"
+                            for arm in ("entries", "scattered", "entries_fed")), "goal <= 5%"])  # fmt: skip
     rows.append(["sleep freed fraction", get("sleep_wake", "freed_fraction"), "goal >= 0.95"])
     rows.append(["sleep / wake weights GB/s", f"{get('sleep_wake', 'weights_GB_s_sleep', default=0) or 0:.1f} / "
                  f"{get('sleep_wake', 'weights_GB_s_wake', default=0) or 0:.1f}", "goal >= 40"])  # fmt: skip
@@ -409,6 +431,7 @@ def main() -> None:
     ap.add_argument("--resume-tokens", type=int, default=19500)
     ap.add_argument("--tier-block-size", type=int, default=128)
     ap.add_argument("--tier-bytes", type=int, default=48 << 30)
+    ap.add_argument("--load-window-mib", type=int, default=None, help="the tier's load window (default: its own)")
     ap.add_argument("--transfer-blocks", type=int, default=2048)
     ap.add_argument("--json", default=None)
     ap.add_argument("--time-budget-s", type=float, default=420.0, help="start no section after this")

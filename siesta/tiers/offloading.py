@@ -10,7 +10,6 @@ has its stores flushed and its load left alone, so keeping the tier is safe.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,14 +23,15 @@ from siesta.request import Request
 from siesta.tiers.base import ConnectorContext, KVConnector, StepTransfers
 from siesta.tiers.disk_tier import DiskTier
 from siesta.tiers.host_tier import HostEntry, HostTier
+from siesta.tiers.copy_feeder import CopyFeeder
 from siesta.tiers.transfer import BlockCopier
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_BYTES = 1 << 30
-# Loads in flight at once, issued in chunks as earlier ones land. A copy queue holding a
-# whole resume's gigabytes delays the step's own small copies until all of it has moved.
+# Copies in flight at once in each direction, topped up as earlier chunks land (see copy_feeder).
 DEFAULT_LOAD_WINDOW_BYTES = 256 << 20
+DEFAULT_STORE_WINDOW_BYTES = 256 << 20
 ROLES_THAT_LOAD = ("kv_both", "kv_consumer")
 ROLES_THAT_STORE = ("kv_both", "kv_producer")
 
@@ -44,12 +44,13 @@ class OffloadConfig:
     disk_bytes_to_use: int
     offload_prompt_only: bool
     load_window_bytes: int
+    store_window_bytes: int
     role: str
 
     @classmethod
     def parse(cls, extra: dict[str, Any], device_block_size: int, role: str) -> OffloadConfig:
         known = {"block_size", "cpu_bytes_to_use", "disk_path", "disk_bytes_to_use", "offload_prompt_only",
-                 "load_window_bytes"}  # fmt: skip
+                 "load_window_bytes", "store_window_bytes"}  # fmt: skip
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"OffloadingConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
@@ -60,6 +61,7 @@ class OffloadConfig:
             disk_bytes_to_use=int(extra.get("disk_bytes_to_use", 0)),
             offload_prompt_only=bool(extra.get("offload_prompt_only", False)),
             load_window_bytes=int(extra.get("load_window_bytes", DEFAULT_LOAD_WINDOW_BYTES)),
+            store_window_bytes=int(extra.get("store_window_bytes", DEFAULT_STORE_WINDOW_BYTES)),
             role=role,
         )
         if cfg.block_size <= 0 or cfg.block_size % device_block_size:
@@ -69,8 +71,9 @@ class OffloadConfig:
             )
         if cfg.cpu_bytes_to_use <= 0:
             raise ValueError("OffloadingConnector: cpu_bytes_to_use must be positive")
-        if cfg.load_window_bytes <= 0:
-            raise ValueError("OffloadingConnector: load_window_bytes must be positive")
+        for name in ("load_window_bytes", "store_window_bytes"):
+            if getattr(cfg, name) <= 0:
+                raise ValueError(f"OffloadingConnector: {name} must be positive")
         if cfg.disk_path is not None and cfg.disk_bytes_to_use <= 0:
             raise ValueError("OffloadingConnector: disk_path needs a positive disk_bytes_to_use")
         return cfg
@@ -93,8 +96,6 @@ class LoadPiece:
 class LoadJob:
     request_id: str
     pieces: list[LoadPiece]
-    event: Any = None  # the copy handle of its last chunk: set once every piece is issued
-    next_piece: int = 0  # pieces before this one are issued
 
 
 @dataclass
@@ -104,7 +105,6 @@ class StoreJob:
     version: str
     blocks: list[Block]  # referenced until the copy is done, so never reused before
     entry: HostEntry | None = None
-    event: Any = None
 
 
 class OffloadingConnector(KVConnector):
@@ -122,6 +122,9 @@ class OffloadingConnector(KVConnector):
             self.disk = DiskTier(self.cfg.disk_path, ctx.model_fingerprint, self.cfg.disk_bytes_to_use, self.host.entry_bytes)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="siesta-disk") if self.disk is not None else None
         self.copier = BlockCopier(ctx.device)
+        threaded = self.copier.cuda
+        self.loads = CopyFeeder(self.copier, "in", self.cfg.load_window_bytes, ctx.block_bytes, threaded)
+        self.stores = CopyFeeder(self.copier, "out", self.cfg.store_window_bytes, ctx.block_bytes, threaded)
         # Scheduler-side bookkeeping.
         self._matched: dict[str, list[LoadPiece]] = {}  # looked up this schedule(), pinned, not yet allocated
         self._pending_loads: dict[str, LoadJob] = {}
@@ -129,11 +132,8 @@ class OffloadingConnector(KVConnector):
         self._planned: list[StoreJob] = []
         self._store_keys: set[BlockHash] = set()  # planned or in flight
         # Worker-side transfers still running.
-        self._inflight_stores: list[StoreJob] = []
-        self._inflight_loads: list[LoadJob] = []  # fully issued, not yet landed
-        self._load_queue: deque[LoadJob] = deque()  # not fully issued yet, in arrival order
-        self._load_chunks: deque[tuple[Any, int]] = deque()  # (copy handle, bytes) issued, in order
-        self._kv_cache: KVCache | None = None
+        self._inflight_stores = 0  # handed to the feeder, not landed yet
+        self._loading: dict[str, LoadJob] = {}  # handed to the feeder, not landed yet
         self._landed: list[str] = []  # requests whose loads finished, for the scheduler to pick up
         self._disk_writes: list[tuple[BlockHash, Future[int]]] = []
         self._evictions_seen = {"host": 0, "disk": self.disk.evictions if self.disk is not None else 0}
@@ -235,8 +235,7 @@ class OffloadingConnector(KVConnector):
         self._stored_upto[request.request_id] = max(start, full)
 
     def has_pending_work(self) -> bool:
-        return bool(self._planned or self._inflight_stores or self._inflight_loads or self._load_queue
-                    or self._disk_writes)  # fmt: skip
+        return bool(self._planned or self._inflight_stores or self._loading or self._disk_writes)
 
     # -- worker side ---------------------------------------------------------------------
 
@@ -246,49 +245,25 @@ class OffloadingConnector(KVConnector):
             if job.entry is None:  # every slot pinned: drop the store, nothing is lost but the copy
                 self._finish_store(job, stored=False)
                 continue
-            job.event = self.copier.store(kv_cache, [b.block_id for b in job.blocks], self.host.data(job.entry))
-            self._inflight_stores.append(job)
+            self.stores.submit(job, [(self.host.data(job.entry), [b.block_id for b in job.blocks])], kv_cache)
+            self._inflight_stores += 1
         self.poll()
 
     def run_loads(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
-        self._kv_cache = kv_cache
         for job in transfers.loads:
+            parts = []
             for piece in job.pieces:
                 self.ctx.stats.inc("kv_offload_load_bytes", len(piece.block_ids) * self.ctx.block_bytes, tier="host")
-            self._load_queue.append(job)
+                first = piece.entry_first
+                parts.append((self.host.data(piece.entry)[first : first + piece.count], piece.block_ids))
+            self._loading[job.request_id] = job
+            self.loads.submit(job.request_id, parts, kv_cache)
         self.poll()
 
-    def _issue_loads(self, unbounded: bool = False) -> None:
-        """Issue queued loads, chunk by chunk, while fewer than the window's bytes are in flight."""
-        while self._load_chunks and self.copier.done(self._load_chunks[0][0]):
-            self._load_chunks.popleft()
-        window = self.cfg.load_window_bytes
-        in_flight = sum(n for _, n in self._load_chunks)
-        while self._load_queue and (unbounded or in_flight < window):
-            job = self._load_queue[0]
-            pieces: list[tuple[torch.Tensor, list[int]]] = []
-            nbytes = 0
-            while job.next_piece < len(job.pieces) and (unbounded or not pieces or in_flight + nbytes < window):
-                piece = job.pieces[job.next_piece]
-                job.next_piece += 1
-                first = piece.entry_first
-                pieces.append((self.host.data(piece.entry)[first : first + piece.count], piece.block_ids))
-                nbytes += len(piece.block_ids) * self.ctx.block_bytes
-            handle = self.copier.load(pieces, self._kv_cache)
-            self._load_chunks.append((handle, nbytes))
-            in_flight += nbytes
-            if job.next_piece == len(job.pieces):
-                job.event = handle  # chunks land in issue order: the last one marks the job landed
-                self._inflight_loads.append(self._load_queue.popleft())
-
     def wait_for_progress(self, timeout_s: float) -> None:
-        """Block (releasing the GIL) until the oldest load chunk lands or ``timeout_s`` passes.
-
-        For an engine with nothing to compute but loads in flight: the next ``poll`` issues
-        more as soon as there is room, and requests join as soon as their KV landed.
-        """
-        if self._load_chunks:
-            self.copier.wait_for(self._load_chunks[0][0], timeout_s)
+        """Block (releasing the GIL) until the oldest load chunk lands or ``timeout_s`` passes,
+        for an engine with nothing to compute but loads in flight."""
+        self.loads.wait_for_progress(timeout_s)
 
     def finished_loads(self) -> list[str]:
         self.poll()
@@ -296,30 +271,21 @@ class OffloadingConnector(KVConnector):
         return landed
 
     def wait_for_loads(self) -> None:
-        self._issue_loads(unbounded=True)
-        for job in self._inflight_loads:
-            self.copier.wait(job.event)
+        self.loads.drain()
         self.poll()
 
     def poll(self) -> None:
-        if self._load_queue:
-            self._issue_loads()
         # Take finished jobs off the lists before retiring them: a failure while retiring
         # one must not leave it to be retired (and its blocks freed) a second time.
-        done_stores, self._inflight_stores = self._split_done(self._inflight_stores)
-        done_loads, self._inflight_loads = self._split_done(self._inflight_loads)
-        for job in done_stores:
+        for job in self.stores.landed():
+            self._inflight_stores -= 1
             self._finish_store(job, stored=True)
-        for job in done_loads:
-            for piece in job.pieces:
+        for request_id in self.loads.landed():
+            for piece in self._loading.pop(request_id).pieces:
                 self.host.unpin(piece.key)
-            self._landed.append(job.request_id)
+            self._landed.append(request_id)
         self._retire_disk_writes(block=False)
         self._record_usage()
-
-    def _split_done(self, jobs: list) -> tuple[list, list]:
-        flags = [self.copier.done(job.event) for job in jobs]
-        return [j for j, f in zip(jobs, flags) if f], [j for j, f in zip(jobs, flags) if not f]
 
     def _finish_store(self, job: StoreJob, stored: bool) -> None:
         self.ctx.pool.free(job.blocks)
@@ -348,9 +314,8 @@ class OffloadingConnector(KVConnector):
     def wait_for_stores(self, kv_cache: KVCache) -> None:
         planned, self._planned = self._planned, []
         self.run_stores(StepTransfers(stores=planned), kv_cache)
-        for job in self._inflight_stores:
-            self.copier.wait(job.event)
-        self.wait_for_loads()
+        self.stores.drain()
+        self.wait_for_loads()  # polls: retires the stores too
         self._retire_disk_writes(block=True)
         self._record_usage()
 
@@ -372,8 +337,7 @@ class OffloadingConnector(KVConnector):
             else:
                 keep.append(job)
         self._planned = keep
-        for job in self._inflight_stores:
-            self.copier.wait(job.event)
+        self.stores.drain()
         self.poll()
         self._retire_disk_writes(block=True)
         self.host.evict_where(lambda key, entry: predicate(key, entry.version))

@@ -62,28 +62,51 @@ class BlockCopier:
 
     def store(self, kv: KVCache, block_ids: Sequence[int], dst: torch.Tensor) -> CopyHandle:
         """Copy device blocks into ``dst[i]``."""
-        return self._submit(self._store_stream, [(kv.tensor, block_ids, dst, "out")])
+        return self.store_parts([(dst, block_ids)], kv)
 
-    def load(self, pieces: Sequence[tuple[torch.Tensor, Sequence[int]]], kv: KVCache) -> CopyHandle:
-        """Copy each piece's ``src[i]`` into device block ``block_ids[i]``; one handle for them all."""
-        return self._submit(self._load_stream, [(kv.tensor, ids, src, "in") for src, ids in pieces])
+    def store_parts(
+        self,
+        pieces: Sequence[tuple[torch.Tensor, Sequence[int]]],
+        kv: KVCache,
+        after: torch.cuda.Event | None = None,
+    ) -> CopyHandle:
+        """Copy device block ``block_ids[i]`` into each piece's ``dst[i]``; one handle for them all.
 
-    def _submit(self, stream, jobs: list[tuple[torch.Tensor, Sequence[int], torch.Tensor, str]]) -> CopyHandle:
+        ``after`` as for ``load``.
+        """
+        return self._submit(self._store_stream, [(kv.tensor, ids, dst, "out") for dst, ids in pieces], after)
+
+    def load(
+        self,
+        pieces: Sequence[tuple[torch.Tensor, Sequence[int]]],
+        kv: KVCache,
+        after: torch.cuda.Event | None = None,
+    ) -> CopyHandle:
+        """Copy each piece's ``src[i]`` into device block ``block_ids[i]``; one handle for them all.
+
+        ``after``: the compute the copies wait for (default: all queued so far on the
+        caller's current stream), for callers on another thread than the step loop's.
+        """
+        return self._submit(self._load_stream, [(kv.tensor, ids, src, "in") for src, ids in pieces], after)
+
+    def _submit(self, stream, jobs: list[tuple[torch.Tensor, Sequence[int], torch.Tensor, str]],
+                after: torch.cuda.Event | None = None) -> CopyHandle:  # fmt: skip
         if not self.cuda:
             for cache, ids, host, direction in jobs:
                 _copy_runs(cache, ids, host, direction)
             return None
+        if after is None:
+            # Everything queued so far on the compute stream: the forward that filled (or
+            # last read) these blocks.
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(self.device))
         if self._batch is not None:
-            # After everything queued so far on the compute stream: the forward that filled
-            # (or last read) these blocks.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+            stream.wait_event(after)
             self._batch.issue([part for job in jobs for part in _run_parts(*job)], stream)
             done = torch.cuda.Event()
             done.record(stream)
             return done
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))  # in the caller's order, waited for by the thread
-        return self._issuer.submit(self._issue_each, stream, ready, jobs)
+        return self._issuer.submit(self._issue_each, stream, after, jobs)
 
     def _issue_each(self, stream, ready: torch.cuda.Event, jobs) -> torch.cuda.Event:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):

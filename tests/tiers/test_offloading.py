@@ -356,11 +356,13 @@ class _Held:
 class HeldCopier:
     """The real (CPU) copier, except that loads count as landed only once released."""
 
+    cuda = False
+
     def __init__(self, real) -> None:
         self.real = real
         self.loads: list[tuple[_Held, int]] = []  # (handle, blocks) in issue order
 
-    def load(self, pieces, kv):
+    def load(self, pieces, kv, after=None):
         self.real.load(pieces, kv)
         handle = _Held()
         self.loads.append((handle, sum(len(ids) for _, ids in pieces)))
@@ -393,7 +395,7 @@ def test_loads_go_out_a_window_at_a_time_and_the_request_waits_for_the_last():
     llm.wake_up()
     connector = llm.engine.connector
     held = HeldCopier(connector.copier)
-    connector.copier = held
+    connector.loads.copier = held
     rid = llm.add_request({"prompt_token_ids": ps[0]}, GREEDY)
     pieces = (len(ps[0]) - 1) // TIER_BLOCK
     scheduler = llm.engine.scheduler
