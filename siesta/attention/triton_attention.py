@@ -1,6 +1,6 @@
-"""Paged attention in Triton: one launch for a mixed batch, split-KV for decode.
+"""Paged attention in Triton: one launch for a mixed batch, split-KV where it is short of programs.
 
-Three kernels, picked by the host from the step's metadata (host lists only, so
+Four kernels, picked by the host from the step's metadata (host lists only, so
 no kernel launch waits on the device):
 
 * ``_unified_kernel`` serves any batch (prefill chunks with or without a cached
@@ -14,6 +14,11 @@ no kernel launch waits on the device):
   long enough to want splitting. It cuts each context into ``num_splits`` key
   ranges (flash-decoding) so a small batch with a long context still fills the
   GPU; ``_reduce_splits_kernel`` merges the partials through their log-sum-exp.
+* ``_prefill_split_kernel`` serves the prefill rows of a batch whose query tiles are
+  too few to fill the GPU over a long context (a short extend of a long cached
+  prefix, as on every resume from the KV tier): each tile's keys are cut into
+  ``num_splits`` ranges, and ``_reduce_splits_kernel`` merges them per token. The
+  batch's decode rows then go to ``_decode_split_kernel``.
 * Long prefill-only batches with no cached prefix can go to torch's
   ``scaled_dot_product_attention`` on CUDA instead (see ``TritonAttention``).
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -131,7 +137,7 @@ def _device_sm_count(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
-    """Key-range splits per decode row: enough programs to fill the GPU, none too short.
+    """Key-range splits per decode row (or prefill tile): enough programs to fill the GPU, none too short.
 
     A power of two, so the few values it takes compile few kernel variants. It only
     reads host integers; a CUDA graph captured with one value stays correct for any
@@ -142,6 +148,29 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
     useful = triton.cdiv(max_seq_len, _MIN_KEYS_PER_SPLIT)
     splits = max(1, min(wanted, useful, _MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)
+
+
+def choose_prefill_splits(
+    q_lens: Sequence[int], seq_lens: Sequence[int], block_q: int, num_kv_heads: int, sm_count: int
+) -> int:
+    """Key-range splits per prefill tile of a batch: more than 1 only when its prefill
+    tiles are too few to fill the GPU and its contexts are long.
+
+    One program per (query tile, KV head) walks its whole context: 44 new tokens over a
+    19,456-token prefix (Llama-3-8B heads, 32-token tiles) gave 16 programs on 132 SMs.
+    Each tile counts as a sequence of the longest prefill context in
+    ``choose_num_splits``. Decode rows (q_len 1) are left out: they have their own
+    split-KV path.
+    """
+    num_tiles = 0
+    longest = 0
+    for q_len, seq_len in zip(q_lens, seq_lens):
+        if q_len > 1:
+            num_tiles += triton.cdiv(q_len, block_q)
+            longest = max(longest, seq_len)
+    if num_tiles == 0:
+        return 1
+    return choose_num_splits(num_tiles, num_kv_heads, longest, sm_count)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -313,22 +342,42 @@ def _store_heads(
 
 
 @triton.jit
+def _prefill_rows(q_tile, kv_head, q_len, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """A prefill tile's query rows: token within the request, query head, and whether the row is real."""
+    offs_m = tl.arange(0, BLOCK_M)
+    q_tok = q_tile * BLOCK_Q + offs_m // GROUP
+    q_head = kv_head * GROUP + offs_m % GROUP
+    # BLOCK_M need not be a multiple of GROUP: its last rows are padding, as are the
+    # rows past q_len in a request's last tile.
+    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_tok < q_len)
+    return q_tok, q_head, row_valid
+
+
+@triton.jit
+def _prefill_span(seq_len, q_len, q_tile, BLOCK_Q: tl.constexpr):
+    """Context position of a tile's first query, and the end of the keys its rows see."""
+    cached = seq_len - q_len
+    first_pos = cached + q_tile * BLOCK_Q
+    kv_end = cached + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    return first_pos, kv_end
+
+
+@triton.jit
 def _prefill_tile(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
-    out_ptr,
     table_row_ptr,
     q_start,
     q_len,
     seq_len,
     q_tile,
     kv_head,
+    key_lo,
+    key_hi,
     scale_log2,
     stride_q_token,
     stride_q_head,
-    stride_o_token,
-    stride_o_head,
     stride_block,
     stride_slot,
     stride_head,
@@ -341,18 +390,19 @@ def _prefill_tile(
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Causal attention of BLOCK_Q query tokens (x GROUP heads) over their paged context."""
+    """Unnormalized causal attention of BLOCK_Q query tokens (x GROUP heads) over keys [key_lo, key_hi).
+
+    ``key_lo`` must be a multiple of BLOCK_N, and the first key tile must hold a key
+    every row sees (key_lo at or before the tile's first query): ``_attend_tile``
+    relies on it to keep the running max finite.
+    """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < HEAD_DIM
-    q_tok = q_tile * BLOCK_Q + offs_m // GROUP
-    q_head = kv_head * GROUP + offs_m % GROUP
-    # BLOCK_M need not be a multiple of GROUP: its last rows are padding.
-    row_valid = (offs_m < BLOCK_Q * GROUP) & (q_tok < q_len)
-    cached = seq_len - q_len
-    row_pos = cached + q_tok
+    q_tok, q_head, row_valid = _prefill_rows(q_tile, kv_head, q_len, GROUP, BLOCK_M, BLOCK_Q)
+    first_pos, _ = _prefill_span(seq_len, q_len, q_tile, BLOCK_Q)
+    row_pos = seq_len - q_len + q_tok
 
     q_rows = (q_start + q_tok).to(tl.int64) * stride_q_token + q_head * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
@@ -362,12 +412,10 @@ def _prefill_tile(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    first_pos = cached + q_tile * BLOCK_Q
-    kv_end = cached + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     # Key tiles wholly at or before the tile's first query are visible to every row:
-    # no masks there, masks only on the diagonal tiles after.
-    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-    for start in range(0, unmasked_end, BLOCK_N):
+    # no masks there, masks only on the diagonal tiles after (and on a ragged key_hi).
+    unmasked_end = tl.minimum((first_pos + 1) // BLOCK_N, key_hi // BLOCK_N) * BLOCK_N
+    for start in range(key_lo, unmasked_end, BLOCK_N):
         key_pos = start + offs_n
         offsets = _kv_offsets(
             table_row_ptr, key_pos, kv_head, offs_d, None, stride_block, stride_slot, stride_head, PAGE_SIZE, False
@@ -376,10 +424,10 @@ def _prefill_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, None, d_mask, None,
             acc, m_i, l_i, scale_log2, False, EVEN_D, DOT_PRECISION,
         )  # fmt: skip
-    for start in range(unmasked_end, kv_end, BLOCK_N):
+    for start in range(tl.maximum(key_lo, unmasked_end), key_hi, BLOCK_N):
         key_pos = start + offs_n
-        key_mask = key_pos < kv_end
-        visible = key_pos[None, :] <= row_pos[:, None]
+        key_mask = key_pos < key_hi
+        visible = key_mask[None, :] & (key_pos[None, :] <= row_pos[:, None])
         offsets = _kv_offsets(
             table_row_ptr, key_pos, kv_head, offs_d, key_mask, stride_block, stride_slot, stride_head, PAGE_SIZE, True
         )
@@ -387,12 +435,24 @@ def _prefill_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, key_mask, d_mask, visible,
             acc, m_i, l_i, scale_log2, True, EVEN_D, DOT_PRECISION,
         )  # fmt: skip
+    return acc, m_i, l_i
 
-    o_rows = (q_start + q_tok).to(tl.int64) * stride_o_token + q_head * stride_o_head
+
+@triton.jit
+def _store_partials(part_out_ptr, part_lse_ptr, part_row, acc, m_i, l_i, row_mask,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """One split's normalized rows (fp32) and their base-2 log-sum-exp, at partial rows ``part_row``.
+
+    An empty split (l = 0, m = -inf) writes a zero partial with lse = -inf, which
+    the merge weighs as nothing.
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))
+    tl.store(part_lse_ptr + part_row, tl.where(l_i > 0.0, lse, float("-inf")), mask=row_mask)
     tl.store(
-        out_ptr + o_rows[:, None] + offs_d[None, :],
-        _normalize(acc, l_i).to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & d_mask[None, :],
+        part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :],
+        _normalize(acc, l_i),
+        mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
     )
 
 
@@ -452,12 +512,84 @@ def _unified_kernel(
             _store_heads(out_ptr, q_start, kv_head, _normalize(acc, l_i), stride_o_token, stride_o_head,
                          HEAD_DIM, BLOCK_D, GROUP, DECODE_BLOCK_H)  # fmt: skip
     else:
-        _prefill_tile(
-            q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, table_row_ptr, q_start, q_len, seq_len, q_tile, kv_head,
-            scale_log2, stride_q_token, stride_q_head, stride_o_token, stride_o_head,
-            stride_block, stride_slot, stride_head,
+        _, kv_end = _prefill_span(seq_len, q_len, q_tile, BLOCK_Q)
+        acc, _, l_i = _prefill_tile(
+            q_ptr, k_cache_ptr, v_cache_ptr, table_row_ptr, q_start, q_len, seq_len, q_tile, kv_head, 0, kv_end,
+            scale_log2, stride_q_token, stride_q_head, stride_block, stride_slot, stride_head,
             HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
         )  # fmt: skip
+        q_tok, q_head, row_valid = _prefill_rows(q_tile, kv_head, q_len, GROUP, BLOCK_M, BLOCK_Q)
+        offs_d = tl.arange(0, BLOCK_D)
+        o_rows = (q_start + q_tok).to(tl.int64) * stride_o_token + q_head * stride_o_head
+        tl.store(
+            out_ptr + o_rows[:, None] + offs_d[None, :],
+            _normalize(acc, l_i).to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
+        )
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+def _prefill_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    num_reqs,
+    num_splits,
+    scale_log2,
+    stride_q_token,
+    stride_q_head,
+    stride_block,
+    stride_slot,
+    stride_head,
+    stride_table,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One key range of one prefill tile: fp32 partials for ``_reduce_splits_kernel`` to merge per token."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + req)
+    if q_len == 1:
+        return  # a decode row: TritonAttention.decode serves it
+    if q_tile * BLOCK_Q >= q_len:
+        return  # the tile-count bound over-provisions by up to one tile per request
+    seq_len = tl.load(seq_lens_ptr + req)
+    first_pos, kv_end = _prefill_span(seq_len, q_len, q_tile, BLOCK_Q)
+    # Split boundaries cut only keys [0, first_pos], which every row of the tile sees,
+    # so each split's first key tile is visible to all its rows (a split starting past
+    # a row's position would leave that row's running max at -inf, and exp2 at NaN).
+    # The split holding first_pos takes the diagonal keys up to kv_end; later ones are
+    # empty. Whole key tiles per split, as in the decode split kernel.
+    keys_per_split = tl.cdiv(tl.cdiv(first_pos + 1, num_splits), BLOCK_N) * BLOCK_N
+    owner = first_pos // keys_per_split
+    key_lo = split * keys_per_split
+    key_hi = tl.where(split < owner, key_lo + keys_per_split, tl.where(split == owner, kv_end, key_lo))
+    table_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_table
+    acc, m_i, l_i = _prefill_tile(
+        q_ptr, k_cache_ptr, v_cache_ptr, table_row_ptr, q_start, q_len, seq_len, q_tile, kv_head, key_lo, key_hi,
+        scale_log2, stride_q_token, stride_q_head, stride_block, stride_slot, stride_head,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+    )  # fmt: skip
+    q_tok, q_head, row_valid = _prefill_rows(q_tile, kv_head, q_len, GROUP, BLOCK_M, BLOCK_Q)
+    # Partials are [num_tokens, NUM_Q_HEADS, num_splits, HEAD_DIM]; lse drops the last dim.
+    part_row = ((q_start + q_tok).to(tl.int64) * NUM_Q_HEADS + q_head) * num_splits + split
+    _store_partials(part_out_ptr, part_lse_ptr, part_row, acc, m_i, l_i, row_valid, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -496,7 +628,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     token = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) - token != 1:
-        return  # a prefill row of a mixed batch: the unified kernel serves it
+        return  # a prefill row of a mixed batch: the unified or prefill split kernel serves it
     seq_len = tl.load(seq_lens_ptr + req)
     # Whole key tiles per split, so only a context's last tile is ragged.
     keys_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -510,30 +642,35 @@ def _decode_split_kernel(
     )  # fmt: skip
     if WRITE_PARTIALS:
         offs_h = tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, BLOCK_D)
-        head_mask = offs_h < GROUP
         # Partials are [num_reqs, NUM_Q_HEADS, num_splits, HEAD_DIM]; lse drops the last dim.
         part_row = (req * NUM_Q_HEADS + kv_head * GROUP + offs_h).to(tl.int64) * num_splits + split
-        # An empty split (short context) has l = 0 and m = -inf: it writes a zero
-        # partial with lse = -inf, which the merge weighs as nothing.
-        lse = m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))
-        tl.store(part_lse_ptr + part_row, tl.where(l_i > 0.0, lse, float("-inf")), mask=head_mask)
-        tl.store(
-            part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :],
-            _normalize(acc, l_i),
-            mask=head_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
-        )
+        _store_partials(part_out_ptr, part_lse_ptr, part_row, acc, m_i, l_i, offs_h < GROUP, HEAD_DIM, BLOCK_D)
     else:
         _store_heads(out_ptr, token, kv_head, _normalize(acc, l_i), stride_o_token, stride_o_head,
                      HEAD_DIM, BLOCK_D, GROUP, BLOCK_H)  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
+def _find_token_request(query_start_loc_ptr, num_reqs, token):
+    """The request owning query row ``token``: the last one starting at or before it."""
+    lo = 0
+    hi = num_reqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(query_start_loc_ptr + mid) <= token:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
 def _reduce_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
     query_start_loc_ptr,
+    num_reqs,
     num_splits,
     stride_o_token,
     stride_o_head,
@@ -541,17 +678,33 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
 ):
-    req = tl.program_id(0)
+    """Merge split partials through their log-sum-exp into ``out``.
+
+    PER_TOKEN=False: program ``i`` merges decode request ``i`` (partial rows per
+    request) and skips prefill requests. PER_TOKEN=True: program ``i`` merges query
+    token ``i`` of a prefill request (partial rows per token) and skips decode tokens,
+    whose partial rows the prefill split kernel never writes; so the two paths may run
+    in either order without clobbering each other.
+    """
+    row = tl.program_id(0)
     head = tl.program_id(1)
-    token = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) - token != 1:
-        return
+    if PER_TOKEN:
+        req = _find_token_request(query_start_loc_ptr, num_reqs, row)
+        is_decode = tl.load(query_start_loc_ptr + req + 1) - tl.load(query_start_loc_ptr + req) == 1
+        if is_decode:
+            return
+        token = row
+    else:
+        token = tl.load(query_start_loc_ptr + row)
+        if tl.load(query_start_loc_ptr + row + 1) - token != 1:
+            return
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
-    part_row = (req * NUM_Q_HEADS + head).to(tl.int64) * num_splits + offs_s
+    part_row = (row.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + part_row, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     # All splits empty only for a zero-length padding row; keep its weights finite.
@@ -603,6 +756,21 @@ def _decode_block_h(group: int) -> int:
     return max(_MIN_DOT_DIM, triton.next_power_of_2(group))
 
 
+def _prefill_block_m(tiles: Tiles, group: int) -> int:
+    # A tile holds at least one token's whole group of query heads.
+    return max(tiles.block_m, triton.next_power_of_2(group))
+
+
+def prefill_block_q(head_dim: int, group: int, dtype: torch.dtype) -> int:
+    """Query tokens per prefill tile (each token brings its ``group`` query heads as rows)."""
+    return _prefill_block_m(_prefill_tiles(head_dim, dtype), group) // group
+
+
+def _num_tiles(meta: AttentionMetadata, block_q: int) -> int:
+    # Request i's tiles start at query_start_loc[i] // block_q + i (see _find_request).
+    return meta.query_start_loc_cpu[-1] // block_q + meta.num_reqs
+
+
 class TritonAttention:
     """Paged attention through Triton kernels; fresh long prefills may take torch SDPA.
 
@@ -613,6 +781,9 @@ class TritonAttention:
     ``mixed_decode_min_splits``: in a batch with prefill rows, decode rows leave the
     unified launch for the split-KV kernel when they would get at least this many
     splits (None: never).
+    ``prefill_splits``: fixes the split-KV count of prefill tiles in batches with prefill
+    rows (None: chosen per batch by ``choose_prefill_splits``; 1: always the unified
+    kernel). With more than one split, decode rows go through ``decode``.
     """
 
     name = "triton"
@@ -622,10 +793,12 @@ class TritonAttention:
         sdpa_prefill_min_tokens: int | None = SDPA_PREFILL_MIN_TOKENS,
         decode_splits: int | None = None,
         mixed_decode_min_splits: int | None = MIXED_DECODE_MIN_SPLITS,
+        prefill_splits: int | None = None,
     ) -> None:
         self.sdpa_prefill_min_tokens = sdpa_prefill_min_tokens
         self.decode_splits = decode_splits
         self.mixed_decode_min_splits = mixed_decode_min_splits
+        self.prefill_splits = prefill_splits
 
     def forward(
         self,
@@ -683,12 +856,10 @@ class TritonAttention:
         shapes = _shapes(q, k_cache)
         tiles = _prefill_tiles(shapes.head_dim, k_cache.dtype)
         decode_tiles = _decode_tiles(shapes.head_dim, k_cache.dtype)
-        block_m = max(tiles.block_m, triton.next_power_of_2(shapes.group))
+        block_m = _prefill_block_m(tiles, shapes.group)
         block_q = block_m // shapes.group
         stride_block, stride_slot, stride_head = _cache_strides(k_cache, v_cache)
-        # Request i's tiles start at query_start_loc[i] // block_q + i (see _find_request).
-        num_tiles = meta.query_start_loc_cpu[-1] // block_q + meta.num_reqs
-        _unified_kernel[(num_tiles, shapes.num_kv_heads)](
+        _unified_kernel[(_num_tiles(meta, block_q), shapes.num_kv_heads)](
             q,
             k_cache,
             v_cache,
@@ -730,23 +901,115 @@ class TritonAttention:
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        """A batch with prefill rows: one unified launch, unless its decode rows want splitting.
+        """A batch with prefill rows: one unified launch, unless some rows want splitting.
 
-        The unified kernel gives each decode row one program per KV head that walks the
+        Prefill rows: a short extend of a long cached prefix (every resume from the KV
+        tier) has a handful of query tiles, each walking the whole context; with too few
+        tiles to fill the GPU (see ``prefill_num_splits``) they go to the prefill
+        split-KV kernel and decode rows to ``decode``, and no unified launch is needed.
+
+        Decode rows: the unified kernel gives each one program per KV head that walks the
         whole context; a few long decode rows next to a short chunk then finish last by
         far (H200: 4 decodes at 32k beside a 512-token chunk took 0.83 ms in one launch,
         0.18 ms with the decode rows split out). When the split heuristic asks for
         at least ``mixed_decode_min_splits`` splits, decode rows go to the split-KV kernel.
         """
         starts = meta.query_start_loc_cpu
-        num_decodes = sum(1 for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1)
-        splits = 0
-        if num_decodes and self.mixed_decode_min_splits is not None:
-            splits = self.num_splits(num_decodes, meta.max_seq_len, k_cache.shape[2], q.device)
-        split_decodes = splits > 0 and splits >= self.mixed_decode_min_splits
+        decode_lens = [meta.seq_lens_cpu[i] for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
+        num_kv_heads = k_cache.shape[2]
+        decode_splits = 0
+        if decode_lens:
+            decode_splits = self.num_splits(len(decode_lens), max(decode_lens), num_kv_heads, q.device)
+        prefill_splits = self.prefill_num_splits(q, k_cache, meta)
+        if prefill_splits > 1:
+            # Decode rows first: the per-token merge skips them, so the order is free, and
+            # this one lets the tests catch a merge that would clobber them.
+            if decode_lens:
+                self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=decode_splits)
+            self.split_prefill(q, k_cache, v_cache, meta, scale, out, prefill_splits)
+            return
+        min_splits = self.mixed_decode_min_splits
+        split_decodes = bool(decode_lens) and min_splits is not None and decode_splits >= min_splits
         self.unified(q, k_cache, v_cache, meta, scale, out, skip_decode=split_decodes)
         if split_decodes:
-            self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=splits)
+            self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=decode_splits)
+
+    def prefill_num_splits(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
+        """Key-range splits per prefill tile for this batch (1: the unified kernel serves it)."""
+        if self.prefill_splits is not None:
+            return self.prefill_splits
+        _, num_q_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        block_q = prefill_block_q(head_dim, num_q_heads // num_kv_heads, k_cache.dtype)
+        starts = meta.query_start_loc_cpu
+        q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_reqs)]
+        return choose_prefill_splits(q_lens, meta.seq_lens_cpu, block_q, num_kv_heads, _device_sm_count(q.device))
+
+    def split_prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+        num_splits: int,
+    ) -> None:
+        """Prefill rows over ``num_splits`` key ranges per tile, merged per token. Decode rows are skipped."""
+        shapes = _shapes(q, k_cache)
+        tiles = _prefill_tiles(shapes.head_dim, k_cache.dtype)
+        block_m = _prefill_block_m(tiles, shapes.group)
+        num_tokens = meta.query_start_loc_cpu[-1]
+        # fp32 partials: the merge must not round what the split kernels accumulated.
+        part_lse = torch.empty((num_tokens, shapes.num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_out = torch.empty((*part_lse.shape, shapes.head_dim), dtype=torch.float32, device=q.device)
+        stride_block, stride_slot, stride_head = _cache_strides(k_cache, v_cache)
+        block_q = block_m // shapes.group
+        _prefill_split_kernel[(_num_tiles(meta, block_q), shapes.num_kv_heads, num_splits)](
+            q,
+            k_cache,
+            v_cache,
+            part_out,
+            part_lse,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.num_reqs,
+            num_splits,
+            scale * LOG2E,
+            q.stride(0),
+            q.stride(1),
+            stride_block,
+            stride_slot,
+            stride_head,
+            meta.block_tables.stride(0),
+            NUM_Q_HEADS=shapes.num_q_heads,
+            HEAD_DIM=shapes.head_dim,
+            BLOCK_D=shapes.block_d,
+            GROUP=shapes.group,
+            BLOCK_M=block_m,
+            BLOCK_Q=block_q,
+            BLOCK_N=tiles.block_n,
+            PAGE_SIZE=k_cache.shape[1],
+            DOT_PRECISION=_dot_precision(k_cache.dtype),
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+        )
+        _reduce_splits_kernel[(num_tokens, shapes.num_q_heads)](
+            part_out,
+            part_lse,
+            out,
+            meta.query_start_loc,
+            meta.num_reqs,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=shapes.num_q_heads,
+            HEAD_DIM=shapes.head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=shapes.block_d,
+            PER_TOKEN=True,
+        )
 
     def num_splits(self, num_decodes: int, max_seq_len: int, num_kv_heads: int, device: torch.device) -> int:
         if self.decode_splits is not None:
@@ -814,6 +1077,7 @@ class TritonAttention:
                 part_lse,
                 out,
                 meta.query_start_loc,
+                num_reqs,
                 splits,
                 out.stride(0),
                 out.stride(1),
@@ -821,6 +1085,7 @@ class TritonAttention:
                 HEAD_DIM=shapes.head_dim,
                 BLOCK_S=triton.next_power_of_2(splits),
                 BLOCK_D=shapes.block_d,
+                PER_TOKEN=False,
             )
 
     def sdpa_prefill(

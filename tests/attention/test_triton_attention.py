@@ -31,7 +31,12 @@ for _name in ("siesta.attention.triton_kv_write", "siesta.attention.triton_atten
 
 from siesta.attention.base import AttentionMetadata, KVCache  # noqa: E402
 from siesta.attention.torch_ref import TorchAttention, write_kv  # noqa: E402
-from siesta.attention.triton_attention import TritonAttention, choose_num_splits  # noqa: E402
+from siesta.attention.triton_attention import (  # noqa: E402
+    TritonAttention,
+    choose_num_splits,
+    choose_prefill_splits,
+    prefill_block_q,
+)
 from siesta.attention.triton_kv_write import write_kv_triton  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -216,13 +221,91 @@ def test_mixed_batch_with_split_decode_rows(dtype: torch.dtype) -> None:
     check_against_oracles(batch, backend, out)
 
 
-def test_prefill_spans_many_tiles() -> None:
+@pytest.mark.parametrize("prefill_splits", [1, 4])
+def test_prefill_spans_many_tiles(prefill_splits: int) -> None:
     """Long enough for several query tiles and unmasked key tiles before the diagonal."""
     specs = [(150, 140), (0, 130), (3, 1)]
     batch = make_batch(specs, group=1, head_dim=64, block_size=16, dtype=torch.float32, seed=7)
+    backend = TritonAttention(prefill_splits=prefill_splits)
     out = poisoned_like(batch.q)
-    TritonAttention().forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale, out=out)
-    check_against_oracles(batch, TritonAttention(), out)
+    backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale, out=out)
+    check_against_oracles(batch, backend, out)
+
+
+# Prefill split-KV. Contexts of a few hundred keys already give several splits of
+# whole key tiles (block_n is 32..64 here), and keep the interpreter quick.
+PREFILL_SPLIT_CASES = [
+    # block_size, head_dim, group, dtype
+    (16, 64, 1, torch.float32),
+    (16, 128, 4, torch.float16),
+    (16, 96, 2, torch.float32),  # head_dim not a power of two
+    (32, 64, 3, torch.float16),  # group not a power of two
+]
+if ON_GPU:
+    PREFILL_SPLIT_CASES += [(16, 128, 4, torch.bfloat16)]
+
+
+def run_split_prefill(batch: Batch, backend: TritonAttention, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """``forward`` on a poisoned output, failing if the unified launch is reached."""
+
+    def no_unified(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the prefill split path should not launch the unified kernel")
+
+    monkeypatch.setattr(backend, "unified", no_unified)
+    out = poisoned_like(batch.q)
+    backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale, out=out)
+    return out
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+@pytest.mark.parametrize("block_size,head_dim,group,dtype", PREFILL_SPLIT_CASES)
+def test_prefill_split_short_extend_over_long_prefix(
+    num_splits: int, block_size: int, head_dim: int, group: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The resume shape: a few new tokens over a long cached prefix, cut into key ranges."""
+    batch = make_batch([(421, 9)], group, head_dim, block_size, dtype, seed=21)
+    backend = TritonAttention(prefill_splits=num_splits)
+    out = run_split_prefill(batch, backend, monkeypatch)
+    check_against_oracles(batch, backend, out)
+
+
+# The interpreter runs the per-token merge one (token, head) program at a time:
+# each case alternates the decode path (direct, or split and merged) rather than
+# running both.
+PREFILL_SPLIT_MIXED_CASES = [
+    (*case, decode_splits) for case, decode_splits in zip(PREFILL_SPLIT_CASES, [None, 4] * len(PREFILL_SPLIT_CASES))
+]
+
+
+@pytest.mark.parametrize("block_size,head_dim,group,dtype,decode_splits", PREFILL_SPLIT_MIXED_CASES)
+def test_prefill_split_mixed_batch(
+    block_size: int,
+    head_dim: int,
+    group: int,
+    dtype: torch.dtype,
+    decode_splits: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Extends of several lengths (one spanning query tiles, one fresh) beside decode rows.
+
+    The decode rows run before the per-token merge: a merge that wrote them would
+    leave them wrong.
+    """
+    specs = [(250, 1), (300, 7), (0, 1), (180, 45), (5, 1), (37, 2), (0, 20)]
+    batch = make_batch(specs, group, head_dim, block_size, dtype, seed=22)
+    backend = TritonAttention(decode_splits=decode_splits, prefill_splits=4)
+    out = run_split_prefill(batch, backend, monkeypatch)
+    check_against_oracles(batch, backend, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_split_more_splits_than_key_tiles(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More splits than key tiles (contexts of 1-2 tiles): most ranges are empty and must weigh nothing."""
+    specs = [(70, 20), (3, 12), (0, 1), (0, 6)]
+    batch = make_batch(specs, group=2, head_dim=64, block_size=16, dtype=dtype, seed=23)
+    backend = TritonAttention(prefill_splits=8)
+    out = run_split_prefill(batch, backend, monkeypatch)
+    check_against_oracles(batch, backend, out)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 8, None])
@@ -315,3 +398,19 @@ def test_split_heuristic() -> None:
     for batch in (1, 3, 16, 64):
         splits = choose_num_splits(batch, 8, 8192, sms)
         assert splits & (splits - 1) == 0
+
+
+def test_prefill_split_heuristic() -> None:
+    sms, kv_heads = 132, 8
+    # Llama-3-8B: 32 query heads over 8 KV heads, head_dim 128, bf16 cache.
+    block_q = prefill_block_q(head_dim=128, group=4, dtype=torch.bfloat16)
+    # A resume from the KV tier: 44 new tokens over 19,456 cached give 2 tiles x 8 heads.
+    assert choose_prefill_splits([44], [19_456 + 44], block_q, kv_heads, sms) > 1
+    # The same extend beside decode rows: they do not count as prefill tiles.
+    assert choose_prefill_splits([44, 1, 1], [19_500, 30_000, 500], block_q, kv_heads, sms) > 1
+    # A large fresh prefill batch fills the GPU by itself.
+    assert choose_prefill_splits([2048] * 8, [2048] * 8, block_q, kv_heads, sms) == 1
+    # A short context is not worth splitting.
+    assert choose_prefill_splits([44], [200], block_q, kv_heads, sms) == 1
+    # Decode rows only: no prefill tiles to split.
+    assert choose_prefill_splits([1, 1], [30_000, 30_000], block_q, kv_heads, sms) == 1
