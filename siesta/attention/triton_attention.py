@@ -512,8 +512,9 @@ def _unified_kernel(
             _store_heads(out_ptr, q_start, kv_head, _normalize(acc, l_i), stride_o_token, stride_o_head,
                          HEAD_DIM, BLOCK_D, GROUP, DECODE_BLOCK_H)  # fmt: skip
     else:
+        # Names apart from the decode branch's: compiled Triton wants one type per name.
         _, kv_end = _prefill_span(seq_len, q_len, q_tile, BLOCK_Q)
-        acc, _, l_i = _prefill_tile(
+        tile_acc, _, tile_l = _prefill_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, table_row_ptr, q_start, q_len, seq_len, q_tile, kv_head, 0, kv_end,
             scale_log2, stride_q_token, stride_q_head, stride_block, stride_slot, stride_head,
             HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
@@ -523,7 +524,7 @@ def _unified_kernel(
         o_rows = (q_start + q_tok).to(tl.int64) * stride_o_token + q_head * stride_o_head
         tl.store(
             out_ptr + o_rows[:, None] + offs_d[None, :],
-            _normalize(acc, l_i).to(out_ptr.dtype.element_ty),
+            _normalize(tile_acc, tile_l).to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :],
         )
 

@@ -1,0 +1,167 @@
+"""Every Triton kernel compiles for the H100/H200 (sm_90), checked on a machine without a GPU.
+
+The interpreter (TRITON_INTERPRET=1, how the CPU tests run the kernels) is
+Python: it accepts code the compiler rejects, e.g. a name bound to tensors of
+two shapes in the two arms of an ``if``. So the host wrappers are called here
+with real shapes (Llama-3-8B heads, bf16 and fp32) while launches are recorded
+instead of run, and a subprocess without the interpreter compiles each recorded
+launch down to a cubin with Triton's own compiler and ptxas.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
+    pytest.skip("records launches through the interpreter (CPU runs); a GPU compiles them anyway",
+                allow_module_level=True)  # fmt: skip
+
+from siesta.attention.base import AttentionMetadata, KVCache  # noqa: E402
+from siesta.attention.triton_attention import TritonAttention  # noqa: E402
+from siesta.model import triton_ops  # noqa: E402
+
+KERNEL_MODULES = ("siesta.attention.triton_attention", "siesta.attention.triton_kv_write", "siesta.model.triton_ops")
+# Host choices that differ on CUDA from a CPU call: compile what the GPU runs.
+CUDA_CONSTEXPRS = {"MEAN_BY_DIVISION": False, "USE_LIBDEVICE": True}
+TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+                torch.int64: "i64", torch.bool: "i1", torch.uint8: "u8"}  # fmt: skip
+# Llama-3-8B attention: 32 query heads over 8 KV heads of 128.
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+
+
+def _is_constexpr(parameter: inspect.Parameter) -> bool:
+    annotation = parameter.annotation
+    return annotation is triton.language.constexpr or annotation in ("tl.constexpr", "triton.language.constexpr")
+
+
+def _describe(kernel: InterpretedFunction, args: tuple, kwargs: dict) -> dict:
+    """A launch as (module, name, signature, constexprs, options), all JSON."""
+    params = inspect.signature(kernel.fn).parameters
+    bound = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
+    signature, constexprs = {}, {}
+    for name, value in bound.items():
+        if _is_constexpr(params[name]):
+            signature[name] = "constexpr"
+            constexprs[name] = CUDA_CONSTEXPRS.get(name, value)
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + TRITON_TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: cannot describe argument {name}={value!r}")
+    options = {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}
+    return {"module": kernel.fn.__module__, "name": kernel.fn.__name__, "signature": signature,
+            "constexprs": constexprs, "options": options}  # fmt: skip
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    recorded: list[dict] = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        if self.fn.__module__ in KERNEL_MODULES:
+            recorded.append(_describe(self, args, kwargs))
+
+    monkeypatch.setattr(InterpretedFunction, "run", record)
+    return recorded
+
+
+def _batch(specs: list[tuple[int, int]], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q, k, v, cache and metadata for requests of (cached, new) tokens; contents do not matter."""
+    seq_lens = [c + n for c, n in specs]
+    blocks = [-(-s // BLOCK) for s in seq_lens]
+    num_tokens = sum(n for _, n in specs)
+    cache = KVCache.allocate(sum(blocks), 1, BLOCK, KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"))
+    tables = torch.zeros(len(specs), max(blocks), dtype=torch.int32)
+    starts = [0]
+    for _, n in specs:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.zeros(num_tokens, dtype=torch.int64),
+        max_query_len=max(n for _, n in specs),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    q = torch.empty(num_tokens, HEADS, HEAD_DIM, dtype=dtype)
+    k = torch.empty(num_tokens, KV_HEADS, HEAD_DIM, dtype=dtype)
+    return q, k, k.clone(), cache, meta
+
+
+def _call_every_kernel(dtype: torch.dtype) -> None:
+    mixed = [(19456, 44), (0, 300), (4000, 1), (700, 1)]
+    decode = [(4000, 1), (30000, 1)]
+    for backend, specs in (
+        (TritonAttention(prefill_splits=1, mixed_decode_min_splits=None), mixed),  # one unified launch
+        (TritonAttention(prefill_splits=1), mixed),  # unified launch, decode rows split apart
+        (TritonAttention(prefill_splits=8), mixed),  # split prefill tiles + per-token merge
+        (TritonAttention(decode_splits=1), decode),  # decode, unsplit
+        (TritonAttention(), decode),  # decode, split + merge
+    ):
+        q, k, v, cache, meta = _batch(specs, dtype)
+        backend.forward(q, k, v, cache, 0, meta, HEAD_DIM**-0.5)
+    x = torch.empty(4, 4096, dtype=dtype)
+    w = torch.empty(4096, dtype=dtype)
+    triton_ops.rms_norm(x, w, 1e-5)
+    triton_ops.fused_add_rms_norm(x, x.clone(), w, 1e-5)
+    triton_ops.rms_norm(torch.empty(4, KV_HEADS, HEAD_DIM, dtype=dtype), torch.empty(HEAD_DIM, dtype=dtype), 1e-6)
+    triton_ops.silu_and_mul(torch.empty(4, 2 * 14336, dtype=dtype))
+    cos = torch.empty(64, HEAD_DIM, dtype=torch.float32)
+    triton_ops.apply_rope(torch.empty(4, HEADS, HEAD_DIM, dtype=dtype), torch.empty(4, KV_HEADS, HEAD_DIM, dtype=dtype),
+                          torch.zeros(4, dtype=torch.int64), cos, cos.clone())  # fmt: skip
+
+
+COMPILER = textwrap.dedent(
+    """
+    import importlib, json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = []
+    for launch in json.load(sys.stdin):
+        fn = getattr(importlib.import_module(launch["module"]), launch["name"])
+        src = ASTSource(fn, launch["signature"], constexprs=launch["constexprs"])
+        try:
+            triton.compile(src, target=GPUTarget(*TARGET), options=launch["options"])
+        except Exception as e:
+            failures.append(f"{launch['name']} {launch['constexprs']}: {type(e).__name__}: {e}")
+    print(json.dumps(failures))
+    """
+).replace("TARGET", repr(TARGET))
+
+
+def test_every_kernel_compiles_for_sm90(launches: list[dict]) -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        _call_every_kernel(dtype)
+    names = {launch["name"] for launch in launches}
+    expected = {"_unified_kernel", "_prefill_split_kernel", "_decode_split_kernel", "_reduce_splits_kernel",
+                "_write_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel"}  # fmt: skip
+    assert expected <= names, f"not launched: {expected - names}"
+    unique = list({json.dumps(launch, sort_keys=True): launch for launch in launches}.values())
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", COMPILER], input=json.dumps(unique), capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    failures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not failures, "\n".join(failures)
