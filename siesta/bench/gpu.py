@@ -278,8 +278,9 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
 
     Two layouts of the stored blocks: whole tier entries (runs of consecutive device blocks,
     what a fresh pool hands a request) and single scattered blocks (the worst case, one DMA
-    each), both issued by the step loop in one call per step; and whole entries handed to
-    the connector's feeder thread, which keeps a bounded window in flight (its own path).
+    each), both issued by the step loop in one call per step; and whole entries submitted
+    one by one to a store feeder, the connector's own path (a bounded window, queued
+    entries coalesced into few calls).
     """
     from siesta.tiers.copy_feeder import CopyFeeder
     from siesta.tiers.offloading import DEFAULT_STORE_WINDOW_BYTES
@@ -298,11 +299,12 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
     # Blocks from the top of the pool, which the decode batch's requests do not reach.
     top = kv.num_blocks - per_step
     entries = [top + e * run + i for e in torch.randperm(per_step // run, generator=gen).tolist() for i in range(run)]
-    feeder = CopyFeeder(copier, "out", DEFAULT_STORE_WINDOW_BYTES, kv.block_bytes, threaded=True)
+    feeder = CopyFeeder(copier, "out", DEFAULT_STORE_WINDOW_BYTES, kv.block_bytes, threaded=False)
 
     def fed(ids: list[int]) -> None:
         for e in range(0, len(ids), run):
-            feeder.submit(None, [(host[e : e + run], ids[e : e + run])], kv)
+            feeder.submit(None, [(host[e : e + run], ids[e : e + run])], kv, issue=False)
+        feeder.landed()  # issues them together, as the connector's poll does
 
     arms = {
         "entries": lambda: copier.store(kv, entries, host),

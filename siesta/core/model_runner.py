@@ -26,6 +26,11 @@ from siesta.tiers.base import KVConnector
 
 logger = logging.getLogger(__name__)
 
+# Kernel warm-up batches: a short extend (a few query tiles) over a long cached context,
+# long enough that the split-KV paths engage.
+WARM_UP_QUERY_TOKENS = 40
+WARM_UP_LONG_CONTEXT = 8192
+
 
 @dataclass
 class StepInputs:
@@ -55,6 +60,8 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.model.seed, device=self.device)
         self.connector: KVConnector | None = None  # set by the engine core when tiers are configured
         self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            self._warm_up_kernels()
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = DecodeGraphs(
                 self.model, self.kv_cache, config.scheduler.max_num_seqs, max_model_len, self.block_size
@@ -139,6 +146,50 @@ class ModelRunner:
         del scratch
         torch.cuda.empty_cache()
         return peak
+
+    def _warm_up_kernels(self) -> None:
+        """Compile each attention path's kernels now, not in the middle of serving.
+
+        A first resume from the tier (short extends over long cached prefixes) would
+        otherwise compile the split-prefill kernels during its replay (H200: three
+        steps of ~0.3 s each). Writes go to slot -1 (skipped); reads are of no consequence.
+        """
+        t0 = time.perf_counter()
+        short = min(WARM_UP_QUERY_TOKENS, self.max_model_len // 2)
+        long_ctx = max(short, min(self.max_model_len, WARM_UP_LONG_CONTEXT) - short)
+        batches = [
+            [(long_ctx, short), (long_ctx, 1), (long_ctx, 1)],  # split prefill tiles, split decode rows
+            [(0, short), (long_ctx, 1)],  # one unified launch, its decode row split apart
+            [(0, short), (short, 1)],  # one unified launch with its decode row
+        ]
+        with torch.inference_mode():
+            for specs in batches:
+                meta = self._dummy_meta(specs)
+                n = meta.query_start_loc_cpu[-1]
+                positions = torch.tensor([c + i for c, q in specs for i in range(q)], device=self.device)
+                hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions, self.kv_cache, meta)
+                self.model.compute_logits(hidden[-1:])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("attention kernels warmed up in %.1fs", time.perf_counter() - t0)
+
+    def _dummy_meta(self, specs: list[tuple[int, int]]) -> AttentionMetadata:
+        """Requests of (cached, new) tokens over arbitrary blocks, writing nothing."""
+        dev, bs = self.device, self.block_size
+        seq_lens = [c + q for c, q in specs]
+        starts = [0]
+        for _, q in specs:
+            starts.append(starts[-1] + q)
+        width = -(-max(seq_lens) // bs)
+        tables = (torch.arange(width, dtype=torch.int32) % self.kv_cache.num_blocks).repeat(len(specs), 1)
+        return AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64, device=dev),
+            max_query_len=max(q for _, q in specs), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+        )  # fmt: skip
 
     def _dummy_prefill_meta(self, n: int, num_blocks: int) -> AttentionMetadata:
         dev = self.device

@@ -28,8 +28,9 @@ from siesta.tiers.transfer import BlockCopier, CopyHandle
 logger = logging.getLogger(__name__)
 
 # A window is issued in this many chunks: the feeder tops it up one chunk at a time,
-# so a late wake-up (the GIL held by the step loop) still finds the rest of it queued.
-CHUNKS_PER_WINDOW = 8
+# so a late wake-up (the GIL held by the step loop, up to its 5 ms switch interval)
+# still finds the rest of it queued. Fewer, larger chunks wake the thread less often.
+CHUNKS_PER_WINDOW = 4
 
 # Host rows and the device block ids they pair with, row i with block_ids[i].
 CopyPart = tuple[torch.Tensor, Sequence[int]]
@@ -73,13 +74,20 @@ class CopyFeeder:
         self._landed: list[object] = []
         self._error: BaseException | None = None
         if threaded:
+            device = copier.device
+            if device.type == "cuda" and device.index is None:  # the thread's own default is device 0
+                device = torch.device("cuda", torch.cuda.current_device())
             name = f"siesta-copy-{direction}"
-            threading.Thread(target=self._feed, args=(copier.device,), name=name, daemon=True).start()
+            threading.Thread(target=self._feed, args=(device,), name=name, daemon=True).start()
 
     # -- caller side -------------------------------------------------------------------------
 
-    def submit(self, job_id: object, parts: Sequence[CopyPart], kv: KVCache) -> None:
-        """Queue one job's copies; ``landed`` reports ``job_id`` once all of them have landed."""
+    def submit(self, job_id: object, parts: Sequence[CopyPart], kv: KVCache, issue: bool = True) -> None:
+        """Queue one job's copies; ``landed`` reports ``job_id`` once all of them have landed.
+
+        ``issue=False`` leaves them queued for the next ``landed``/``drain``, so that jobs
+        submitted together go out in as few calls as the chunk size allows.
+        """
         after = None
         if self.copier.cuda:
             # Everything queued so far on the compute stream: the forward that filled these
@@ -89,7 +97,8 @@ class CopyFeeder:
         chunks = self._split(job_id, list(parts), kv, after)
         with self._lock:
             self._queue.extend(chunks)
-            self._pump()
+            if issue:
+                self._pump()
             self._lock.notify_all()
 
     def _split(self, job_id: object, parts: list[CopyPart], kv: KVCache, after) -> list[_Chunk]:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from siesta.tiers.copy_feeder import CopyFeeder
+from siesta.tiers.copy_feeder import CHUNKS_PER_WINDOW, CopyFeeder
 
 BLOCK_BYTES = 1 << 20
 LAND_AFTER_S = 0.002  # how long a fake copy takes
@@ -145,12 +145,25 @@ def test_window_must_be_positive() -> None:
 
 def test_small_jobs_queued_behind_a_full_window_share_a_call() -> None:
     copier = FakeCopier()
-    feeder = CopyFeeder(copier, "out", 32 * BLOCK_BYTES, BLOCK_BYTES, threaded=False)  # chunks of 4 blocks
+    window_blocks = 4 * CHUNKS_PER_WINDOW  # chunks of 4 blocks
+    feeder = CopyFeeder(copier, "out", window_blocks * BLOCK_BYTES, BLOCK_BYTES, threaded=False)
     jobs = [("entry", i) for i in range(30)]
     for i, job_id in enumerate(jobs):
         feeder.submit(job_id, job(10 * i, 2), kv=None)
-    assert [len(call) for call in copier.calls] == [2] * 16, "alone while the window has room"
+    alone = window_blocks // 2
+    assert [len(call) for call in copier.calls] == [2] * alone, "alone while the window has room"
     feeder.drain()
     assert copier.stored, "stores go through the copier's store path"
-    assert [len(call) for call in copier.calls[16:]] == [4] * 7, "then two queued jobs per call"
+    assert [len(call) for call in copier.calls[alone:]] == [4] * ((30 - alone) // 2), "then two queued jobs per call"
     assert feeder.landed() == jobs
+
+
+def test_jobs_submitted_without_issue_go_out_together() -> None:
+    copier = FakeCopier()
+    feeder = CopyFeeder(copier, "out", 16 * CHUNKS_PER_WINDOW * BLOCK_BYTES, BLOCK_BYTES, threaded=False)  # chunks of 16
+    for i in range(6):
+        feeder.submit(i, job(10 * i, 4), kv=None, issue=False)
+    assert copier.calls == []
+    feeder.drain()
+    assert [len(call) for call in copier.calls] == [16, 8]
+    assert feeder.landed() == list(range(6))

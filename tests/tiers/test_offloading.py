@@ -12,6 +12,7 @@ import pytest
 
 from siesta import LLM, SamplingParams
 from siesta.core.engine_core import ConnectorRetentionError
+from siesta.tiers.copy_feeder import CopyFeeder
 
 BLOCK = 16
 TIER_BLOCK = 32
@@ -395,7 +396,9 @@ def test_loads_go_out_a_window_at_a_time_and_the_request_waits_for_the_last():
     llm.wake_up()
     connector = llm.engine.connector
     held = HeldCopier(connector.copier)
-    connector.loads.copier = held
+    # Driven by the engine's polls alone (no feeder thread, which would wait the copies out).
+    connector.loads = CopyFeeder(held, "in", connector.cfg.load_window_bytes, piece_bytes // (TIER_BLOCK // BLOCK),
+                                 threaded=False)  # fmt: skip
     rid = llm.add_request({"prompt_token_ids": ps[0]}, GREEDY)
     pieces = (len(ps[0]) - 1) // TIER_BLOCK
     scheduler = llm.engine.scheduler
