@@ -458,7 +458,7 @@ def _store_partials(part_out_ptr, part_lse_ptr, part_row, acc, m_i, l_i, row_mas
 
 # Batch-shape arguments are not specialized on (==1, %16): each new batch shape would
 # otherwise compile a kernel variant mid-serving, seconds each.
-@triton.jit(do_not_specialize=["num_reqs"])
+@triton.jit(do_not_specialize=["num_reqs", "stride_table"])
 def _unified_kernel(
     q_ptr,
     k_cache_ptr,
@@ -529,7 +529,7 @@ def _unified_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_reqs", "num_splits", "stride_table"])
 def _prefill_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -593,7 +593,7 @@ def _prefill_split_kernel(
     _store_partials(part_out_ptr, part_lse_ptr, part_row, acc, m_i, l_i, row_valid, HEAD_DIM, BLOCK_D)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -720,6 +720,12 @@ def _reduce_splits_kernel(
 
 
 # --------------------------------------------------------------------------- host side
+
+
+def _merge_width(num_splits: int) -> int:
+    """The merge's split tile: one width for every split count up to ``_MAX_SPLITS``, so a
+    batch with a new count does not compile a new variant mid-serving (H200: ~0.4 s)."""
+    return max(triton.next_power_of_2(_MAX_SPLITS), triton.next_power_of_2(num_splits))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -1007,7 +1013,7 @@ class TritonAttention:
             out.stride(1),
             NUM_Q_HEADS=shapes.num_q_heads,
             HEAD_DIM=shapes.head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_S=_merge_width(num_splits),
             BLOCK_D=shapes.block_d,
             PER_TOKEN=True,
         )
@@ -1084,7 +1090,7 @@ class TritonAttention:
                 out.stride(1),
                 NUM_Q_HEADS=shapes.num_q_heads,
                 HEAD_DIM=shapes.head_dim,
-                BLOCK_S=triton.next_power_of_2(splits),
+                BLOCK_S=_merge_width(splits),
                 BLOCK_D=shapes.block_d,
                 PER_TOKEN=False,
             )
