@@ -302,8 +302,9 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
     feeder = CopyFeeder(copier, "out", DEFAULT_STORE_WINDOW_BYTES, kv.block_bytes, threaded=False)
 
     def fed(ids: list[int]) -> None:
+        after = feeder.compute_mark()
         for e in range(0, len(ids), run):
-            feeder.submit(None, [(host[e : e + run], ids[e : e + run])], kv, issue=False)
+            feeder.submit(None, [(host[e : e + run], ids[e : e + run])], kv, issue=False, after=after)
         feeder.landed()  # issues them together, as the connector's poll does
 
     arms = {

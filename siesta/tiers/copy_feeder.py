@@ -82,24 +82,31 @@ class CopyFeeder:
 
     # -- caller side -------------------------------------------------------------------------
 
-    def submit(self, job_id: object, parts: Sequence[CopyPart], kv: KVCache, issue: bool = True) -> None:
+    def submit(self, job_id: object, parts: Sequence[CopyPart], kv: KVCache, issue: bool = True,
+               after: torch.cuda.Event | None = None) -> None:  # fmt: skip
         """Queue one job's copies; ``landed`` reports ``job_id`` once all of them have landed.
 
         ``issue=False`` leaves them queued for the next ``landed``/``drain``, so that jobs
-        submitted together go out in as few calls as the chunk size allows.
+        submitted together go out in as few calls as the chunk size allows. ``after``:
+        a ``compute_mark`` several jobs submitted together may share.
         """
-        after = None
-        if self.copier.cuda:
-            # Everything queued so far on the compute stream: the forward that filled these
-            # blocks (stores), or the last one that read them before they were reassigned (loads).
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self.copier.device))
+        if after is None:
+            after = self.compute_mark()
         chunks = self._split(job_id, list(parts), kv, after)
         with self._lock:
             self._queue.extend(chunks)
             if issue:
                 self._pump()
             self._lock.notify_all()
+
+    def compute_mark(self) -> torch.cuda.Event | None:
+        """Everything queued so far on the compute stream: the forward that filled the blocks
+        (stores), or the last one that read them before they were reassigned (loads)."""
+        if not self.copier.cuda:
+            return None
+        mark = torch.cuda.Event()
+        mark.record(torch.cuda.current_stream(self.copier.device))
+        return mark
 
     def _split(self, job_id: object, parts: list[CopyPart], kv: KVCache, after) -> list[_Chunk]:
         chunks: list[_Chunk] = []

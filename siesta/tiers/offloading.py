@@ -21,9 +21,9 @@ from siesta.kv.block_pool import Block
 from siesta.kv.hashing import BlockHash, extend_block_hashes
 from siesta.request import Request
 from siesta.tiers.base import ConnectorContext, KVConnector, StepTransfers
+from siesta.tiers.copy_feeder import CopyFeeder
 from siesta.tiers.disk_tier import DiskTier
 from siesta.tiers.host_tier import HostEntry, HostTier
-from siesta.tiers.copy_feeder import CopyFeeder
 from siesta.tiers.transfer import BlockCopier
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ DEFAULT_CPU_BYTES = 1 << 30
 # Copies in flight at once in each direction (see copy_feeder). Loads are topped up by a
 # thread as chunks land: a resume is gigabytes queued at once. Stores come a step's worth
 # at a time and the step loop issues them (a thread would take the GIL from the steps
-# it overlaps: H200, decode at batch 64, +82 % step time against +15 % issued in-loop).
+# it overlaps: H200, decode at batch 64 beside link-speed stores, +82 % step time from a
+# thread against +11-19 % issued in-loop, bench/results/gpu-h200-2026-11-29-run7*).
 DEFAULT_LOAD_WINDOW_BYTES = 512 << 20
 DEFAULT_STORE_WINDOW_BYTES = 1 << 30
 ROLES_THAT_LOAD = ("kv_both", "kv_consumer")
@@ -242,12 +243,14 @@ class OffloadingConnector(KVConnector):
     # -- worker side ---------------------------------------------------------------------
 
     def run_stores(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
+        after = self.stores.compute_mark() if transfers.stores else None
         for job in transfers.stores:
             job.entry = self.host.reserve(job.key, job.version)
             if job.entry is None:  # every slot pinned: drop the store, nothing is lost but the copy
                 self._finish_store(job, stored=False)
                 continue
-            self.stores.submit(job, [(self.host.data(job.entry), [b.block_id for b in job.blocks])], kv_cache, issue=False)
+            parts = [(self.host.data(job.entry), [b.block_id for b in job.blocks])]
+            self.stores.submit(job, parts, kv_cache, issue=False, after=after)
             self._inflight_stores += 1
         self.poll()  # issues the step's stores together
 
