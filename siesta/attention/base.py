@@ -124,9 +124,14 @@ class AttentionBackend(Protocol):
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` takes the Triton kernels on CUDA and the torch reference elsewhere."""
+    """``auto`` takes the Triton kernels on CUDA and, elsewhere, the torch reference with
+    its decode rows read in place by a compiled kernel (``cpu_attention``)."""
+    if name == "auto" and device.type != "cuda":
+        from siesta.attention.cpu_attention import CpuAttention
+
+        return CpuAttention()
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton"
     if name == "torch":
         from siesta.attention.torch_ref import TorchAttention
 

@@ -5,10 +5,11 @@ direction (inputs in, sampled tokens out) until all of it has moved, so tier
 copies go out a window at a time. Refilling that window only between engine
 steps leaves the link idle whenever a step outlasts the window's transfer time
 (H200: 256 MiB moves in 4.9 ms while a decode step of the 8B model takes ~9 ms;
-a 16-request resume then loaded at 28 of 55 GB/s). On CUDA a thread of its own
-therefore waits for the oldest chunk and issues the next one as soon as it
-lands, and the step loop never spends its time issuing. On CPU a copy is done
-when issued, so the caller's polls drive it and no thread runs.
+a 16-request resume then loaded at 28 of 55 GB/s). A threaded feeder therefore
+waits for the oldest chunk in a thread of its own and issues the next one as
+soon as it lands. Unthreaded, the caller's polls drive it: the connector's
+stores (a step's worth at a time; a thread would take the GIL from the steps),
+and everything on CPU, where a copy is done when issued.
 """
 
 from __future__ import annotations

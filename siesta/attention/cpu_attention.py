@@ -1,0 +1,154 @@
+"""CPU attention: the torch reference, with decode rows read in place by a compiled kernel.
+
+Decode on the CPU is bound by reading the paged K/V. The torch path gathers each
+row's blocks into a new tensor before SDPA reads them (``torch_ref``); the kernel in
+``cpu_decode.c`` walks the block tables instead and reads every byte once. It is
+built on first use with the machine's C compiler (gcc or cc; every supported setup
+has one) into the siesta cache, keyed by its source, flags and CPU, and loaded with
+ctypes, whose calls release the GIL: rows are split over a few Python threads.
+Without a compiler, or for shapes and dtypes it does not take, the torch path serves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from siesta.attention.base import AttentionMetadata, KVCache
+from siesta.attention.torch_ref import TorchAttention
+from siesta.model.gguf_loader import CACHE_DIR_ENV, DEFAULT_CACHE_DIR
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+# Reassociation lets gcc vectorize the dot products. Not -ffast-math: a shared object built
+# with it sets flush-to-zero for the whole process when it is loaded.
+CFLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+          "-fno-math-errno", "-fPIC", "-shared")  # fmt: skip
+KERNEL_SUBDIR = "kernels"
+# The kernel's stack buffers (MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK in cpu_decode.c).
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 128
+
+_I64, _F32P, _I32P, _I64P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int64)
+_ARGTYPES = [
+    _F32P, _I64, _I64,  # q, its token and head strides
+    _F32P, _F32P, _I64, _I64, _I64,  # K and V cache views, block/slot/head strides
+    _I32P, _I64,  # block tables, row stride
+    _I64P, _I64P, _I64P, _I64, _I64,  # per row: request, token, context length; the row range
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,  # kv heads, group, head_dim, block, scale
+    _F32P, _I64, _I64,  # out, its token and head strides
+]  # fmt: skip
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+@functools.lru_cache(maxsize=None)
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, built once per source, flags and CPU; None without a C compiler."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        logger.warning("no C compiler found: CPU decode attention gathers K/V through torch (slower)")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get(CACHE_DIR_ENV, DEFAULT_CACHE_DIR)).expanduser() / KERNEL_SUBDIR
+    path = cache / f"cpu_decode-{platform.machine()}-{key}.so"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: safe across processes
+            built = Path(tmp) / path.name
+            try:
+                result = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+            except OSError as e:
+                logger.warning("cannot run the C compiler %s (%s): CPU decode attention goes through torch", cc, e)
+                return None
+            if result.returncode != 0:
+                logger.warning("building the CPU decode kernel failed, using torch:\n%s", result.stderr[-2000:])
+                return None
+            os.replace(built, path)
+    lib = ctypes.CDLL(str(path))
+    lib.paged_decode.argtypes = _ARGTYPES
+    lib.paged_decode.restype = None
+    return lib
+
+
+def _ptr(t: torch.Tensor, kind):
+    return ctypes.cast(t.data_ptr(), kind)
+
+
+class CpuAttention(TorchAttention):
+    name = "cpu"
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        self.num_threads = num_threads or torch.get_num_threads()
+        self._pool = ThreadPoolExecutor(max_workers=self.num_threads - 1) if self.num_threads > 1 else None
+
+    def _decode(self, q, kv_cache: KVCache, layer_idx: int, meta: AttentionMetadata, scale: float,
+                rows: list[int], out: torch.Tensor) -> None:  # fmt: skip
+        k_cache, v_cache = kv_cache.layer(layer_idx)
+        lib = load_kernel()
+        if lib is None or not self._takes(q, k_cache, out):
+            super()._decode(q, kv_cache, layer_idx, meta, scale, rows, out)
+            return
+        row_req = torch.tensor(rows, dtype=torch.int64)
+        row_token = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], dtype=torch.int64)
+        lens = [meta.seq_lens_cpu[i] for i in rows]
+        row_len = torch.tensor(lens, dtype=torch.int64)
+        tables = meta.block_tables if meta.block_tables.is_contiguous() else meta.block_tables.contiguous()
+        group = q.shape[1] // k_cache.shape[2]
+
+        def run(begin: int, end: int) -> None:
+            lib.paged_decode(
+                _ptr(q, _F32P), q.stride(0), q.stride(1),
+                _ptr(k_cache, _F32P), _ptr(v_cache, _F32P), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                _ptr(tables, _I32P), tables.stride(0),
+                _ptr(row_req, _I64P), _ptr(row_token, _I64P), _ptr(row_len, _I64P), begin, end,
+                k_cache.shape[2], group, q.shape[2], k_cache.shape[1], scale,
+                _ptr(out, _F32P), out.stride(0), out.stride(1),
+            )  # fmt: skip
+
+        bounds = _balanced_bounds(lens, self.num_threads)
+        futures = [self._pool.submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] if self._pool else []
+        run(bounds[0], bounds[1])
+        for f in futures:
+            f.result()
+
+    @staticmethod
+    def _takes(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
+        fp32 = q.dtype == k_cache.dtype == out.dtype == torch.float32
+        unit = q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
+        group = q.shape[1] // k_cache.shape[2]
+        return fp32 and unit and group <= MAX_GROUP and q.shape[2] <= MAX_HEAD_DIM and k_cache.shape[1] <= MAX_BLOCK
+
+
+def _balanced_bounds(lens: list[int], parts: int) -> list[int]:
+    """Row boundaries of ``parts`` contiguous ranges with about equal total context."""
+    total = sum(lens)
+    bounds, acc = [0], 0
+    for i, n in enumerate(lens):
+        acc += n
+        if len(bounds) < parts and acc >= total * len(bounds) / parts:
+            bounds.append(i + 1)
+    while len(bounds) <= parts:
+        bounds.append(len(lens))
+    bounds[-1] = len(lens)
+    return bounds

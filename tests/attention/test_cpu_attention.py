@@ -1,0 +1,91 @@
+"""CPU attention: the compiled decode kernel against dense attention, its fallbacks, and the default backend."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from paged_batch import KV_HEADS, LAYER, decode_batch, dense_decode
+
+from siesta.attention import cpu_attention
+from siesta.attention.base import get_attention_backend
+from siesta.attention.cpu_attention import CpuAttention, _balanced_bounds, load_kernel
+
+
+def _run(backend, q, cache, meta, rows=None) -> torch.Tensor:
+    out = torch.full_like(q, float("nan"))
+    rows = list(range(meta.num_reqs)) if rows is None else rows
+    backend._decode(q, cache, LAYER, meta, q.shape[-1] ** -0.5, rows, out)
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built() -> None:
+    assert load_kernel() is not None, "the CI machines have a C compiler: the kernel must build"
+
+
+@pytest.mark.parametrize("group,head_dim,block", [(1, 16, 4), (3, 64, 16), (4, 128, 16), (8, 64, 32)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_matches_dense_attention(group: int, head_dim: int, block: int, threads: int) -> None:
+    rng = random.Random(group * 100 + head_dim + threads)
+    lens = [rng.randint(1, 5 * block + 3) for _ in range(11)] + [1, block, block + 1]
+    q, cache, meta = decode_batch(lens, seed=threads, group=group, head_dim=head_dim, block=block)
+    out = _run(CpuAttention(num_threads=threads), q, cache, meta)
+    torch.testing.assert_close(out, dense_decode(q, cache, meta, head_dim**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_writes_only_its_rows_and_reads_strided_queries() -> None:
+    lens = [9, 30, 4, 17, 25]
+    q, cache, meta = decode_batch(lens, seed=7)
+    wide = torch.randn(q.shape[0], q.shape[1], 2 * q.shape[2])
+    wide[..., : q.shape[2]] = q
+    strided = wide[..., : q.shape[2]]  # a view, as a fused projection's split gives
+    rows = [1, 3, 4]
+    out = _run(CpuAttention(num_threads=2), strided, cache, meta, rows)
+    dense = dense_decode(q, cache, meta, q.shape[-1] ** -0.5)
+    torch.testing.assert_close(out[rows], dense[rows], rtol=1e-5, atol=1e-5)
+    assert out[[0, 2]].isnan().all(), "rows not asked for are left alone"
+
+
+def test_unsupported_dtype_takes_the_torch_path() -> None:
+    q, cache, meta = decode_batch([12, 7, 20], seed=3)
+    wide = type(cache)(cache.tensor.to(torch.float64))
+    out = torch.empty_like(q, dtype=torch.float64)
+    CpuAttention()._decode(q.double(), wide, LAYER, meta, q.shape[-1] ** -0.5, [0, 1, 2], out)
+    torch.testing.assert_close(out.float(), dense_decode(q, cache, meta, q.shape[-1] ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_compiler_the_torch_path_serves(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv(cpu_attention.CACHE_DIR_ENV, str(tmp_path))
+    load_kernel.cache_clear()
+    try:
+        assert load_kernel() is None
+    finally:
+        load_kernel.cache_clear()
+    monkeypatch.setattr(cpu_attention, "load_kernel", lambda: None)
+    q, cache, meta = decode_batch([5, 40, 13], seed=4)
+    torch.testing.assert_close(_run(CpuAttention(), q, cache, meta), dense_decode(q, cache, meta, q.shape[-1] ** -0.5),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_loading_the_kernel_keeps_subnormal_floats() -> None:
+    """A library built with -ffast-math would switch the whole process to flush-to-zero."""
+    assert load_kernel() is not None
+    tiny = 5e-324  # the smallest subnormal double
+    assert tiny * 1.0 > 0.0 and 2.2250738585072014e-308 / 2 > 0.0
+    assert torch.tensor(1e-40, dtype=torch.float32).item() > 0.0
+
+
+def test_cpu_default_backend_is_the_kernel_one() -> None:
+    assert isinstance(get_attention_backend("auto", torch.device("cpu")), CpuAttention)
+    assert type(get_attention_backend("torch", torch.device("cpu"))).__name__ == "TorchAttention"
+
+
+def test_balanced_bounds_split_context_evenly() -> None:
+    assert _balanced_bounds([10] * 8, 2) == [0, 4, 8]
+    assert _balanced_bounds([100, 1, 1, 1], 2) == [0, 1, 4]
+    assert _balanced_bounds([5, 5], 1) == [0, 2]
+    assert _balanced_bounds([5], 3) == [0, 1, 1, 1]
+    assert KV_HEADS > 1  # the batches above exercise more than one KV head per row
