@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -22,7 +23,10 @@ def _run(backend, q, cache, meta, rows=None) -> torch.Tensor:
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel_built() -> None:
-    assert load_kernel() is not None, "the CI machines have a C compiler: the kernel must build"
+    has_compiler = any(shutil.which(cc) for cc in ("gcc", "cc"))
+    if torch.cuda.is_available() and not has_compiler:
+        pytest.skip("a GPU host without a C compiler: CPU attention is not what runs there")
+    assert load_kernel() is not None, "the CPU machines (CI's too) have a C compiler: the kernel must build"
 
 
 @pytest.mark.parametrize("group,head_dim,block", [(1, 16, 4), (3, 64, 16), (4, 128, 16), (8, 64, 32)])
