@@ -728,6 +728,27 @@ def _merge_width(num_splits: int) -> int:
     return max(triton.next_power_of_2(_MAX_SPLITS), triton.next_power_of_2(num_splits))
 
 
+def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
+                  shapes: _Shapes, num_splits: int, per_token: bool) -> None:  # fmt: skip
+    """Merge split partials into ``out``: per decode row, or per prefill token (``per_token``)."""
+    rows = meta.query_start_loc_cpu[-1] if per_token else meta.num_reqs
+    _reduce_splits_kernel[(rows, shapes.num_q_heads)](
+        part_out,
+        part_lse,
+        out,
+        meta.query_start_loc,
+        meta.num_reqs,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        NUM_Q_HEADS=shapes.num_q_heads,
+        HEAD_DIM=shapes.head_dim,
+        BLOCK_S=_merge_width(num_splits),
+        BLOCK_D=shapes.block_d,
+        PER_TOKEN=per_token,
+    )
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 caches are for tests and CPU-sized work: keep them exact rather than tf32.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -1002,21 +1023,7 @@ class TritonAttention:
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
-        _reduce_splits_kernel[(num_tokens, shapes.num_q_heads)](
-            part_out,
-            part_lse,
-            out,
-            meta.query_start_loc,
-            meta.num_reqs,
-            num_splits,
-            out.stride(0),
-            out.stride(1),
-            NUM_Q_HEADS=shapes.num_q_heads,
-            HEAD_DIM=shapes.head_dim,
-            BLOCK_S=_merge_width(num_splits),
-            BLOCK_D=shapes.block_d,
-            PER_TOKEN=True,
-        )
+        _merge_splits(part_out, part_lse, out, meta, shapes, num_splits, per_token=True)
 
     def num_splits(self, num_decodes: int, max_seq_len: int, num_kv_heads: int, device: torch.device) -> int:
         if self.decode_splits is not None:
@@ -1079,21 +1086,7 @@ class TritonAttention:
             num_stages=tiles.num_stages,
         )
         if write_partials:
-            _reduce_splits_kernel[(num_reqs, shapes.num_q_heads)](
-                part_out,
-                part_lse,
-                out,
-                meta.query_start_loc,
-                num_reqs,
-                splits,
-                out.stride(0),
-                out.stride(1),
-                NUM_Q_HEADS=shapes.num_q_heads,
-                HEAD_DIM=shapes.head_dim,
-                BLOCK_S=_merge_width(splits),
-                BLOCK_D=shapes.block_d,
-                PER_TOKEN=False,
-            )
+            _merge_splits(part_out, part_lse, out, meta, shapes, splits, per_token=False)
 
     def sdpa_prefill(
         self,
