@@ -136,7 +136,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        meta = self._dummy_prefill_meta(n, scratch.num_blocks)
+        meta = self._dummy_meta([(0, n)], scratch.num_blocks, writes=True)
         with torch.inference_mode():
             hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device),
                                 torch.arange(n, device=self.device), scratch, meta)
@@ -164,7 +164,7 @@ class ModelRunner:
         ]
         with torch.inference_mode():
             for specs in batches:
-                meta = self._dummy_meta(specs)
+                meta = self._dummy_meta(specs, self.kv_cache.num_blocks)
                 n = meta.query_start_loc_cpu[-1]
                 positions = torch.tensor([c + i for c, q in specs for i in range(q)], device=self.device)
                 hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions, self.kv_cache, meta)
@@ -173,33 +173,28 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         logger.info("attention kernels warmed up in %.1fs", time.perf_counter() - t0)
 
-    def _dummy_meta(self, specs: list[tuple[int, int]]) -> AttentionMetadata:
-        """Requests of (cached, new) tokens over arbitrary blocks, writing nothing."""
+    def _dummy_meta(self, specs: list[tuple[int, int]], num_blocks: int, writes: bool = False) -> AttentionMetadata:
+        """Requests of (cached, new) tokens over blocks 0, 1, ... (wrapping at ``num_blocks``).
+
+        Without ``writes`` every slot is -1, so nothing is written; with it, token ``t``
+        of the flat batch writes slot ``t`` (a throwaway cache's).
+        """
         dev, bs = self.device, self.block_size
         seq_lens = [c + q for c, q in specs]
         starts = [0]
         for _, q in specs:
             starts.append(starts[-1] + q)
         width = -(-max(seq_lens) // bs)
-        tables = (torch.arange(width, dtype=torch.int32) % self.kv_cache.num_blocks).repeat(len(specs), 1)
+        tables = (torch.arange(width, dtype=torch.int32) % num_blocks).repeat(len(specs), 1)
+        slots = torch.arange(starts[-1], dtype=torch.int64) if writes else torch.full((starts[-1],), -1, dtype=torch.int64)
         return AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             block_tables=tables.to(dev),
-            slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64, device=dev),
+            slot_mapping=slots.to(dev),
             max_query_len=max(q for _, q in specs), max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
         )  # fmt: skip
-
-    def _dummy_prefill_meta(self, n: int, num_blocks: int) -> AttentionMetadata:
-        dev = self.device
-        return AttentionMetadata(
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=dev)[None],
-            slot_mapping=torch.arange(n, dtype=torch.int64, device=dev),
-            max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n],
-        )
 
     @property
     def num_blocks(self) -> int:

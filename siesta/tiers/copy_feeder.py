@@ -101,13 +101,8 @@ class CopyFeeder:
             self._lock.notify_all()
 
     def compute_mark(self) -> torch.cuda.Event | None:
-        """Everything queued so far on the compute stream: the forward that filled the blocks
-        (stores), or the last one that read them before they were reassigned (loads)."""
-        if not self.copier.cuda:
-            return None
-        mark = torch.cuda.Event()
-        mark.record(torch.cuda.current_stream(self.copier.device))
-        return mark
+        """The copier's ``compute_mark``; None on CPU, where copies are done when issued."""
+        return self.copier.compute_mark() if self.copier.cuda else None
 
     def _split(self, job_id: object, parts: list[CopyPart], kv: KVCache, after) -> list[_Chunk]:
         chunks: list[_Chunk] = []

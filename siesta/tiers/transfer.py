@@ -89,6 +89,13 @@ class BlockCopier:
         """
         return self._submit(self._load_stream, [(kv.tensor, ids, src, "in") for src, ids in pieces], after)
 
+    def compute_mark(self) -> torch.cuda.Event:
+        """Everything queued so far on the caller's compute stream: the forward that filled the
+        blocks (stores), or the last one that read them before they were reassigned (loads)."""
+        mark = torch.cuda.Event()
+        mark.record(torch.cuda.current_stream(self.device))
+        return mark
+
     def _submit(self, stream, jobs: list[tuple[torch.Tensor, Sequence[int], torch.Tensor, str]],
                 after: torch.cuda.Event | None = None) -> CopyHandle:  # fmt: skip
         if not self.cuda:
@@ -96,10 +103,7 @@ class BlockCopier:
                 _copy_runs(cache, ids, host, direction)
             return None
         if after is None:
-            # Everything queued so far on the compute stream: the forward that filled (or
-            # last read) these blocks.
-            after = torch.cuda.Event()
-            after.record(torch.cuda.current_stream(self.device))
+            after = self.compute_mark()
         if self._batch is not None:
             stream.wait_event(after)
             self._batch.issue([part for job in jobs for part in _run_parts(*job)], stream)
