@@ -101,6 +101,7 @@ class CpuAttention(TorchAttention):
     def __init__(self, num_threads: int | None = None) -> None:
         self.num_threads = num_threads or torch.get_num_threads()
         self._pool = ThreadPoolExecutor(max_workers=self.num_threads - 1) if self.num_threads > 1 else None
+        self._step: tuple | None = None  # ((meta, rows), arrays) of the step the layers are in
 
     def _decode(self, q, kv_cache: KVCache, layer_idx: int, meta: AttentionMetadata, scale: float,
                 rows: list[int], out: torch.Tensor) -> None:  # fmt: skip
@@ -109,11 +110,7 @@ class CpuAttention(TorchAttention):
         if lib is None or not self._takes(q, k_cache, out):
             super()._decode(q, kv_cache, layer_idx, meta, scale, rows, out)
             return
-        row_req = torch.tensor(rows, dtype=torch.int64)
-        row_token = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], dtype=torch.int64)
-        lens = [meta.seq_lens_cpu[i] for i in rows]
-        row_len = torch.tensor(lens, dtype=torch.int64)
-        tables = meta.block_tables if meta.block_tables.is_contiguous() else meta.block_tables.contiguous()
+        row_req, row_token, row_len, tables, bounds = self._rows(meta, rows)
         group = q.shape[1] // k_cache.shape[2]
 
         def run(begin: int, end: int) -> None:
@@ -126,11 +123,26 @@ class CpuAttention(TorchAttention):
                 _ptr(out, _F32P), out.stride(0), out.stride(1),
             )  # fmt: skip
 
-        bounds = _balanced_bounds(lens, self.num_threads)
         futures = [self._pool.submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] if self._pool else []
         run(bounds[0], bounds[1])
         for f in futures:
             f.result()
+
+    def _rows(self, meta: AttentionMetadata, rows: list[int]):
+        """The kernel's per-row arrays and thread split: built once per step, shared by every layer."""
+        key = (meta, tuple(rows))
+        if self._step is None or self._step[0][0] is not meta or self._step[0][1] != key[1]:
+            lens = [meta.seq_lens_cpu[i] for i in rows]
+            tables = meta.block_tables if meta.block_tables.is_contiguous() else meta.block_tables.contiguous()
+            arrays = (
+                torch.tensor(rows, dtype=torch.int64),
+                torch.tensor([meta.query_start_loc_cpu[i] for i in rows], dtype=torch.int64),
+                torch.tensor(lens, dtype=torch.int64),
+                tables,
+                _balanced_bounds(lens, self.num_threads),
+            )
+            self._step = (key, arrays)
+        return self._step[1]
 
     @staticmethod
     def _takes(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
