@@ -115,11 +115,13 @@ class AttentionBackend(Protocol):
         layer_idx: int,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store the new tokens' K/V, then attend causally over the paged context.
 
         ``q`` is ``[T, q_heads, head_dim]``, ``k``/``v`` are ``[T, kv_heads, head_dim]``
-        (q_heads a multiple of kv_heads: grouped-query attention); returns ``q``'s shape.
+        (q_heads a multiple of kv_heads: grouped-query attention); returns ``q``'s shape,
+        in ``out`` when given (a static buffer of a CUDA graph, say).
         """
 
 

@@ -47,9 +47,11 @@ class TorchAttention:
         layer_idx: int,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, layer_idx, meta.slot_mapping)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         decode_rows = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
         if decode_rows:

@@ -78,7 +78,8 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = shape.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's q ``[T, heads, dim]`` and k, v ``[T, kv_heads, dim]``, rotated (and normed)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1
@@ -88,9 +89,18 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return (*self.rotary(positions, q, k), v)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale, out=out)
 
 
 class MLP(nn.Module):
@@ -122,11 +132,25 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` is the previous layer's output, not yet added to the ``residual`` stream
         (None for the first layer): each add is fused with the norm that follows it."""
+        q, k, v, residual = self.before_attention(x, residual, positions)
+        return self.after_attention(self.self_attn.attend(q, k, v, kv_cache, meta), residual)
+
+    # The two halves around attention: CUDA graphs of mixed batches capture everything but
+    # attention (``siesta.core.piecewise_graphs``), which runs between them.
+
+    def before_attention(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, v, residual)`` of this layer from the previous layer's output."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h = self.self_attn(h, positions, kv_cache, meta)
+        return (*self.self_attn.project(h, positions), residual)
+
+    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's output (not yet added to the residual stream) and the residual stream."""
+        h = self.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
@@ -161,6 +185,9 @@ class CausalLM(nn.Module):
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, positions, kv_cache, meta)
+        return self.final_norm(x, residual)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
