@@ -1,0 +1,77 @@
+"""The pinned staging ring: regions in order, wrap-around, and no region reused under a copy in flight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from siesta.core import staging
+from siesta.core.staging import ALIGN, PinnedRing
+
+
+class FakeCopyDone:
+    """Stands in for a CUDA event: done once ``synchronize`` is called (or from the start)."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.done = True
+
+
+def test_regions_are_handed_out_in_order_and_aligned() -> None:
+    ring = PinnedRing(1024, pin=False)
+    a = ring.take(10)
+    b = ring.take(100)
+    assert a == (0, 10)
+    assert b == (ALIGN, ALIGN + 100)
+
+
+def test_a_wrapped_region_waits_only_for_the_copies_it_overlaps() -> None:
+    ring = PinnedRing(4 * ALIGN, pin=False)
+    first, second = FakeCopyDone(), FakeCopyDone()
+    ring.release_after(ring.take(ALIGN), first)  # [0, 64)
+    ring.release_after(ring.take(2 * ALIGN), second)  # [64, 192)
+    assert ring.take(2 * ALIGN) == (0, 2 * ALIGN)  # wraps: [0, 128) overlaps both
+    assert first.waited and second.waited
+
+
+def test_a_region_clear_of_copies_in_flight_does_not_wait() -> None:
+    ring = PinnedRing(4 * ALIGN, pin=False)
+    busy = FakeCopyDone()
+    ring.release_after(ring.take(ALIGN), busy)  # [0, 64)
+    assert ring.take(ALIGN) == (ALIGN, 2 * ALIGN)
+    assert not busy.waited
+    assert list(ring.inflight) == [(0, ALIGN, busy)]  # still in flight: kept
+
+
+def test_finished_copies_are_forgotten() -> None:
+    ring = PinnedRing(4 * ALIGN, pin=False)
+    ring.release_after(ring.take(ALIGN), FakeCopyDone(done=True))
+    ring.take(ALIGN)
+    assert not ring.inflight
+
+
+def test_too_large_a_copy_is_refused() -> None:
+    assert PinnedRing(ALIGN, pin=False).take(ALIGN + 1) is None
+
+
+def test_a_view_holds_the_tensor_shape_and_dtype() -> None:
+    ring = PinnedRing(1024, pin=False)
+    like = torch.arange(12, dtype=torch.int32).view(3, 4)
+    view = ring.view(ring.take(like.numel() * 4), like)
+    view.copy_(like)
+    assert view.shape == (3, 4) and view.dtype == torch.int32 and torch.equal(view, like)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a GPU")
+def test_staged_copies_round_trip_through_the_ring() -> None:
+    device = torch.device("cuda")
+    values = [torch.arange(n, dtype=torch.int64) * 3 for n in (1, 7, 1000, 100_000)]
+    on_device = [staging.to_device(v, device) for v in values]
+    assert [staging.to_host_list(d) for d in on_device] == [v.tolist() for v in values]
