@@ -13,8 +13,10 @@ import torch
 
 from siesta.attention.base import AttentionMetadata, KVCache, get_attention_backend
 from siesta.config import EngineConfig, resolve_dtype
+from siesta.core import staging
 from siesta.core.cuda_graphs import DecodeGraphs
 from siesta.core.device_memory import ArenaMemory, SleepableMemory
+from siesta.core.piecewise_graphs import PiecewiseGraphs
 from siesta.core.sampler import Sampler, SampleResult, SamplingRow, make_generator
 from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.core.staging import to_device
@@ -49,6 +51,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(config.attention_backend, self.device)
+        if self.device.type == "cuda":
+            staging.reserve()  # pinned now, not in a step while tier copies are in flight
         # Sleep on CUDA keeps addresses when weights and KV live in virtual-memory arenas.
         self.use_arenas = self.device.type == "cuda" and config.enable_sleep_mode and vmm_available()
         if self.device.type == "cuda" and config.enable_sleep_mode and not self.use_arenas:
@@ -60,12 +64,15 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.model.seed, device=self.device)
         self.connector: KVConnector | None = None  # set by the engine core when tiers are configured
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # steps with prefill rows
         if self.device.type == "cuda" and self.backend.name == "triton":
             self._warm_up_kernels()
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
             self.graphs = DecodeGraphs(
                 self.model, self.kv_cache, config.scheduler.max_num_seqs, max_model_len, self.block_size
             )
+            self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, config.scheduler.max_num_batched_tokens)
+            self.recapture_graphs()  # now, not in the first steps that serve requests
 
     # -- setup -----------------------------------------------------------------------
 
@@ -227,17 +234,23 @@ class ModelRunner:
             )
             if hidden is not None:
                 return hidden
+        if self.piecewise is not None:
+            hidden = self.piecewise.run(inputs.input_ids, inputs.positions, meta)
+            if hidden is not None:
+                return hidden
         return self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
 
     def memory_moved(self) -> None:
         """Weights or KV were re-allocated (sleep): graphs captured on the old addresses are void."""
-        if self.graphs is not None:
-            self.graphs.invalidate()
+        for graphs in (self.graphs, self.piecewise):
+            if graphs is not None:
+                graphs.invalidate()
 
     def recapture_graphs(self) -> None:
-        """Capture now (on wake-up) rather than in the first decode step after it."""
-        if self.graphs is not None:
-            self.graphs.capture()
+        """Capture now (at start and on wake-up) rather than in the first steps after it."""
+        for graphs in (self.graphs, self.piecewise):
+            if graphs is not None:
+                graphs.capture()
 
     def _prepare(self, sched: SchedulerOutput) -> StepInputs:
         ids: list[int] = []
