@@ -153,7 +153,10 @@ class EngineCore:
                 f"the prompt has {n} tokens but max_model_len is {self.max_model_len}: "
                 "at least one token must remain for the output"
             )
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        ids = req.prompt_token_ids
+        bad = None
+        if min(ids) < 0 or max(ids) >= self.vocab_size:  # in C: a 20k-token prompt costs ~0.3 ms, not ~2
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
         if bad is not None:
             raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         max_tokens = req.sampling_params.max_tokens

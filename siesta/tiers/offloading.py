@@ -101,6 +101,10 @@ class LoadJob:
     request_id: str
     pieces: list[LoadPiece]
 
+    @property
+    def num_blocks(self) -> int:
+        return sum(piece.count for piece in self.pieces)
+
 
 @dataclass
 class StoreJob:
@@ -256,9 +260,9 @@ class OffloadingConnector(KVConnector):
 
     def run_loads(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
         for job in transfers.loads:
+            self.ctx.stats.inc("kv_offload_load_bytes", job.num_blocks * self.ctx.block_bytes, tier="host")
             parts = []
             for piece in job.pieces:
-                self.ctx.stats.inc("kv_offload_load_bytes", len(piece.block_ids) * self.ctx.block_bytes, tier="host")
                 first = piece.entry_first
                 parts.append((self.host.data(piece.entry)[first : first + piece.count], piece.block_ids))
             self._loading[job.request_id] = job
