@@ -24,6 +24,8 @@ HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200
 LINK_BYTES_PER_S = 55e9  # measured pinned host-to-device
 BF16_PEAK_FLOPS = 989e12  # datasheet dense bf16; the measured matmul ceiling is ~774e12
 MEASURED_MATMUL_FLOPS = 774e12
+MIXED_REPS = 10
+MIXED_TOP_KERNELS = 8
 
 
 def _sync() -> None:
@@ -194,22 +196,43 @@ def _triton_variants() -> int:
     return count
 
 
-def _timed_forwards(llm) -> list[float]:
-    """Wall seconds of each model step from now on (synchronized), to tell compute from waiting."""
+def _timed_forwards(llm) -> tuple[list[float], list[tuple[float, float]]]:
+    """From now on, wall seconds of each model step (synchronized), to tell compute from
+    waiting, and per step the seconds spent issuing tier copies and in the forward."""
     runner = llm.engine.runner
     times: list[float] = []
-    plain = runner.execute
+    parts: list[tuple[float, float]] = []
+    plain, forward = runner.execute, runner._forward
+    spent = {"copies": 0.0, "forward": 0.0}
+
+    def timed(fn, key):
+        def call(*a):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                spent[key] += time.perf_counter() - t0
+
+        return call
+
+    connector = runner.connector
+    if connector is not None:
+        connector.run_loads = timed(connector.run_loads, "copies")
+        connector.run_stores = timed(connector.run_stores, "copies")
+    runner._forward = timed(forward, "forward")
 
     def execute(sched):
+        spent.update(copies=0.0, forward=0.0)
         t0 = time.perf_counter()
         result = plain(sched)
         if torch.cuda.is_available():  # the compute stream only: a device-wide sync would wait for tier loads
             torch.cuda.current_stream().synchronize()
         times.append(round(time.perf_counter() - t0, 4))
+        parts.append((round(spent["copies"], 4), round(spent["forward"], 4)))
         return result
 
     runner.execute = execute
-    return times
+    return times, parts
 
 
 def resume(args: argparse.Namespace) -> dict[str, Any]:
@@ -225,15 +248,26 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
     vocab = llm.engine.vocab_size
     kv_per_token = llm.engine.runner.kv_cache.block_bytes // llm.config.cache.block_size
     arms = {}
-    forwards = _timed_forwards(llm)
-    for seed, (name, keep) in enumerate((("cleared", False), ("kept", True))):
+    runner = llm.engine.runner
+    forwards, parts = _timed_forwards(llm)
+    piecewise = runner.piecewise
+    # The third arm: the kept tier with steps that have prefill rows run eagerly.
+    for seed, (name, keep, pieces) in enumerate((("cleared", False, True), ("kept", True, True), ("kept_eager", True, False))):
         ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, vocab, seed=100 + seed)
         variants = _triton_variants()
         forwards.clear()
+        parts.clear()
+        runner.piecewise = piecewise if pieces else None
         arms[name] = run_arm(llm, keep, ps, max_tokens=8)
         arms[name]["triton_variants_compiled"] = _triton_variants() - variants
         arms[name]["forward_s"] = list(forwards)  # warm-up's and replay's steps
-    del llm.engine.runner.execute
+        arms[name]["copies_forward_s"] = list(parts)
+    runner.piecewise = piecewise
+    for name in ("execute", "_forward"):
+        delattr(runner, name)
+    if runner.connector is not None:
+        for name in ("run_loads", "run_stores"):
+            delattr(runner.connector, name)
     kept = arms["kept"]["metric_delta"]
     load_bytes = kept.get('siesta_kv_offload_load_bytes_total{tier="host"}', 0.0)
     return {
@@ -243,8 +277,12 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token": kv_per_token,
         "cleared": arms["cleared"],
         "kept": arms["kept"],
+        "kept_eager": arms["kept_eager"],
         "speedup_p50": arms["cleared"]["replay_p50_s"] / arms["kept"]["replay_p50_s"],
+        "speedup_p50_eager_mixed": arms["cleared"]["replay_p50_s"] / arms["kept_eager"]["replay_p50_s"],
         "kept_load_floor_s": load_bytes / LINK_BYTES_PER_S,
+        "kv_blocks": runner.kv_cache.num_blocks,
+        "reserved_GiB": torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0,
     }
 
 
@@ -342,6 +380,72 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _device_kernels(fn: Callable[[], Any]) -> tuple[float, int, dict[str, float]]:
+    """Device busy ms, kernel launches and ms per kernel name of one call of ``fn`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()  # on the CPU (a smoke run) ops stand in for kernels
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        _sync()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    per_name: dict[str, float] = {}
+    launches = 0
+    for e in prof.events():
+        if e.device_type != kind:
+            continue
+        ms = (e.device_time_total if cuda else e.cpu_time_total) / 1e3
+        per_name[e.name] = per_name.get(e.name, 0.0) + ms
+        launches += 1
+    top = dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:MIXED_TOP_KERNELS])
+    return sum(per_name.values()), launches, {k[:80]: round(v, 3) for k, v in top.items()}
+
+
+def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
+    """Forwards of the batches a resume runs (short extends over long cached prefixes beside
+    decode rows), eager against the engine's path (piecewise CUDA graphs). Wall ms per
+    forward against the device's busy ms (the rest is launch overhead on the host), kernel
+    launches, the costliest kernels, and how far the two paths' hidden states differ."""
+    from siesta.core.model_runner import StepInputs
+
+    llm = _llm(args, gpu_memory_utilization=0.85)
+    runner = llm.engine.runner
+    extend = args.resume_tokens % args.tier_block_size or args.tier_block_size
+    prefix = args.resume_tokens - extend
+    cases = {
+        "extend": [(prefix, extend)],
+        "extend_decode4": [(prefix, extend)] + [(args.resume_tokens, 1)] * 4,
+        "extend2_decode6": [(prefix, extend)] * 2 + [(args.resume_tokens, 1)] * 6,
+    }
+    res: dict[str, Any] = {"extend_tokens": extend, "prefix_tokens": prefix}
+    for name, specs in cases.items():
+        meta = runner._dummy_meta(specs, runner.kv_cache.num_blocks)
+        n = meta.query_start_loc_cpu[-1]
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, llm.engine.vocab_size, (n,), generator=gen).to(runner.device)
+        pos = torch.tensor([c + i for c, q in specs for i in range(q)], device=runner.device)
+        inputs = StepInputs(ids, pos, meta, logits_rows=torch.tensor([n - 1], device=runner.device), sampled=[])
+        paths = {"eager": lambda ids=ids, pos=pos, meta=meta: runner.model(ids, pos, runner.kv_cache, meta),
+                 "engine": lambda inputs=inputs: runner._forward(inputs)}  # fmt: skip
+        hidden = {}
+        res[name] = {}
+        for path, forward in paths.items():
+            times = []
+            with torch.inference_mode():
+                for rep in range(MIXED_REPS + 2):  # two warm-ups
+                    _sync()
+                    t0 = time.perf_counter()
+                    hidden[path] = forward().clone()
+                    _sync()
+                    if rep >= 2:
+                        times.append(time.perf_counter() - t0)
+                busy_ms, launches, top = _device_kernels(forward)
+            res[name][path] = {"wall_ms": 1e3 * sorted(times)[len(times) // 2], "device_busy_ms": busy_ms,
+                               "launches": launches, "top_kernels": top}  # fmt: skip
+        res[name]["max_abs_hidden_diff"] = (hidden["eager"].float() - hidden["engine"].float()).abs().max().item()
+        res[name]["speedup"] = res[name]["eager"]["wall_ms"] / res[name]["engine"]["wall_ms"]
+    return res
+
 def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
     llm = _llm(args, gpu_memory_utilization=0.85)
     free0, total = torch.cuda.mem_get_info()
@@ -384,6 +488,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "sleep_wake": sleep_wake,
     "transfers": transfers,
     "store_overlap": store_overlap,
+    "mixed_step": mixed_step,
 }
 
 
@@ -405,7 +510,10 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
     for n in (2048, 8192):
         rows.append([f"prefill {n} tok/s", get("prefill", f"tokens{n}", "tok_s"),
                      f"MFU {get('prefill', f'tokens{n}', 'mfu', default=0) or 0:.0%}"])  # fmt: skip
-    rows.append(["resume kept vs cleared (p50 speedup)", get("resume", "speedup_p50"), "goal >= 15x"])
+    rows.append(["resume kept vs cleared (p50 speedup)", get("resume", "speedup_p50"),
+                 f"goal >= 15x; {get('resume', 'speedup_p50_eager_mixed', default=0) or 0:.1f}x with eager mixed steps"])
+    rows.append(["mixed step ms, eager / piecewise graphs", f"{get('mixed_step', 'extend_decode4', 'eager', 'wall_ms', default=0) or 0:.1f} / "
+                 f"{get('mixed_step', 'extend_decode4', 'engine', 'wall_ms', default=0) or 0:.1f}", "44-token extend + 4 decodes"])  # fmt: skip
     rows.append(["tier store / load GB/s", f"{get('transfers', 'store_GB_s', default=0) or 0:.1f} / "
                  f"{get('transfers', 'load_GB_s', default=0) or 0:.1f}", "goal >= 45"])  # fmt: skip
     rows.append(["decode slowdown storing (entries / scattered / fed)",
