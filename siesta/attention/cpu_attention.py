@@ -37,8 +37,9 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 CFLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
           "-fno-math-errno", "-fPIC", "-shared")  # fmt: skip
 KERNEL_SUBDIR = "kernels"
-# The kernel's stack buffers (MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK in cpu_decode.c).
-MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 128
+# The kernel's stack buffers (MAX_Q_HEADS, MAX_STATE, MAX_BLOCK in cpu_decode.c): a row's query
+# heads, its query heads x head_dim, the block size.
+MAX_Q_HEADS, MAX_STATE, MAX_BLOCK = 128, 8192, 128
 
 _I64, _F32P, _I32P, _I64P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int64)
 _ARGTYPES = [
@@ -64,20 +65,27 @@ def _cpu_model() -> str:
 @functools.lru_cache(maxsize=None)
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel, built once per source, flags and CPU; None without a C compiler."""
+    return build_kernel(SOURCE.read_bytes())
+
+
+def build_kernel(source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL | None:
+    """``source`` (a ``paged_decode`` of this module's signature) compiled with ``flags`` into the siesta
+    cache and loaded; None without a working C compiler. The benchmark also builds past versions."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         logger.warning("no C compiler found: CPU decode attention gathers K/V through torch (slower)")
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + _cpu_model().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_model().encode()).hexdigest()[:16]
     cache = Path(os.environ.get(CACHE_DIR_ENV, DEFAULT_CACHE_DIR)).expanduser() / KERNEL_SUBDIR
     path = cache / f"cpu_decode-{platform.machine()}-{key}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: safe across processes
             built = Path(tmp) / path.name
+            src = Path(tmp) / SOURCE.name
+            src.write_bytes(source)
             try:
-                result = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+                result = subprocess.run([cc, *flags, str(src), "-o", str(built), "-lm"], capture_output=True, text=True)
             except OSError as e:
                 logger.warning("cannot run the C compiler %s (%s): CPU decode attention goes through torch", cc, e)
                 return None
@@ -98,15 +106,16 @@ def _ptr(t: torch.Tensor, kind):
 class CpuAttention(TorchAttention):
     name = "cpu"
 
-    def __init__(self, num_threads: int | None = None) -> None:
+    def __init__(self, num_threads: int | None = None, kernel: ctypes.CDLL | None = None) -> None:
         self.num_threads = num_threads or torch.get_num_threads()
+        self.kernel = kernel  # None: load_kernel()'s (a benchmark passes another build)
         self._pool = ThreadPoolExecutor(max_workers=self.num_threads - 1) if self.num_threads > 1 else None
         self._step: tuple | None = None  # ((meta, rows), arrays) of the step the layers are in
 
     def _decode(self, q, kv_cache: KVCache, layer_idx: int, meta: AttentionMetadata, scale: float,
                 rows: list[int], out: torch.Tensor) -> None:  # fmt: skip
         k_cache, v_cache = kv_cache.layer(layer_idx)
-        lib = load_kernel()
+        lib = self.kernel or load_kernel()
         if lib is None or not self._takes(q, k_cache, out):
             super()._decode(q, kv_cache, layer_idx, meta, scale, rows, out)
             return
@@ -148,8 +157,9 @@ class CpuAttention(TorchAttention):
     def _takes(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
         fp32 = q.dtype == k_cache.dtype == out.dtype == torch.float32
         unit = q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
-        group = q.shape[1] // k_cache.shape[2]
-        return fp32 and unit and group <= MAX_GROUP and q.shape[2] <= MAX_HEAD_DIM and k_cache.shape[1] <= MAX_BLOCK
+        heads, head_dim = q.shape[1], q.shape[2]
+        fits = heads <= MAX_Q_HEADS and heads * head_dim <= MAX_STATE and k_cache.shape[1] <= MAX_BLOCK
+        return fp32 and unit and fits
 
 
 def _balanced_bounds(lens: list[int], parts: int) -> list[int]:

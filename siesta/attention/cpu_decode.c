@@ -1,20 +1,180 @@
 /* Paged decode attention on the CPU, reading K/V where they lie in the block-first cache.
  *
  * The torch path gathers every row's K/V into a fresh tensor before SDPA reads them
- * again: three passes over the bytes that decode is bound by. Here each (row, KV head)
- * walks its block table once, a block at a time: the GROUP query heads that share the
- * KV head score the block's keys, the online softmax rescales once per block, and the
- * block's values are accumulated. fp32 throughout.
+ * again: three passes over the bytes that decode is bound by. Here each row walks its
+ * block table once, a block at a time: every query head scores the block's keys, its
+ * online softmax rescales once per block, and the block's values are accumulated. One
+ * block's K (and V) for all KV heads is one contiguous region, read while it is in L1;
+ * the block after next is prefetched meanwhile. fp32 throughout.
  *
  * Rows [row_begin, row_end) of the arrays are done by this call; callers split the rows
- * over threads (the call holds no lock and writes only its rows' outputs).
+ * over threads (the call holds no lock and writes only its rows' outputs). The caller
+ * keeps the shapes within the limits below (cpu_attention.py's _takes).
  */
 #include <math.h>
 #include <stdint.h>
 
-#define MAX_GROUP 16
-#define MAX_HEAD_DIM 256
+#define MAX_Q_HEADS 128 /* query heads of a row */
+#define MAX_STATE 8192  /* query heads x head_dim: a row's queries and accumulators live on the stack */
 #define MAX_BLOCK 128
+#define LINE_FLOATS 16  /* floats in a 64-byte cache line */
+/* How many blocks ahead to prefetch, and to which level. Blocks lie anywhere in the pool,
+ * so the hardware prefetcher cannot see the next one coming. Two blocks ahead measured
+ * better than one or three; to L2 (_MM_HINT_T1) rather than L1, whose few miss buffers
+ * would hold up the loads the compute needs now. */
+#define PREFETCH_BLOCKS 2
+#define PREFETCH_LOCALITY 2
+#define PV_KEYS 4 /* values accumulated per pass over a head's accumulator (written out below) */
+
+/* exp(x) for the softmax, which only ever asks for x <= 0 (a score minus the running max;
+ * -inf for the first block's rescale). Plain arithmetic, so gcc vectorizes the loops that
+ * call it (expf is a scalar libm call). exp(x) = 2^n exp(r), n = round(x / ln2),
+ * r = x - n ln2 in [-ln2/2, ln2/2]; ln2 is split in two (the high part has few bits, so
+ * n * EXP_LN2_HI is exact) and exp(r) is its Taylor series to r^7 (truncation < 1e-8
+ * relative): within 1 ulp of exp. The split is written with fmaf: as plain products,
+ * -fassociative-math (which the dot products need to vectorize) folds it back into
+ * n * (EXP_LN2_HI + EXP_LN2_LO), off by tens of ulp. Below EXP_MIN the result (< 2^-126)
+ * is 0: subnormal weights next to the max key's weight of 1 change nothing. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440054690583e-4f
+#define EXP_MIN -87.33654475f /* ln(2^-126): 2^n stays a normal float */
+#define FLOAT_EXP_BIAS 127
+#define FLOAT_MANT_BITS 23
+
+static inline float exp_nonpositive(float x)
+{
+    const float c = x > EXP_MIN ? x : EXP_MIN; /* also maps -inf and NaN into range */
+    const float n = rintf(c * EXP_LOG2E);
+    const float r = fmaf(-n, EXP_LN2_LO, fmaf(-n, EXP_LN2_HI, c));
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const union { int32_t i; float f; } two_n = {.i = ((int32_t)n + FLOAT_EXP_BIAS) << FLOAT_MANT_BITS};
+    return x > EXP_MIN ? p * two_n.f : 0.0f;
+}
+
+/* For the tests: exp_nonpositive over an array. */
+void decode_exp(const float *x, float *y, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) y[i] = exp_nonpositive(x[i]);
+}
+
+/* Requests lines [from, to) of a range of `floats` floats, clipped to it. */
+static inline void prefetch_lines(const float *p, int64_t floats, int64_t from, int64_t to)
+{
+    for (int64_t i = from * LINE_FLOATS; i < to * LINE_FLOATS && i < floats; i += LINE_FLOATS)
+        __builtin_prefetch(p + i, 0, PREFETCH_LOCALITY);
+}
+
+/* The block PREFETCH_BLOCKS after block `i` of this row, continuing into the next row
+ * (next_len 0: none); -1 past both. *tokens: how many of its slots are filled. */
+static inline int64_t block_ahead(const int32_t *table, int64_t len, const int32_t *next_table, int64_t next_len,
+                                  int64_t i, int block_size, int64_t *tokens)
+{
+    int64_t pos = (i + PREFETCH_BLOCKS) * block_size;
+    if (pos >= len) {
+        pos -= (len + block_size - 1) / block_size * block_size;
+        table = next_table;
+        len = next_len;
+        if (pos >= len) return -1;
+    }
+    *tokens = len - pos < block_size ? len - pos : block_size;
+    return table[pos / block_size];
+}
+
+/* One row. Inlined with head_dim a constant for the common sizes (see paged_decode), so
+ * the loops over it unroll and a query stays in registers across the block's keys. */
+static inline __attribute__((always_inline)) void decode_row(
+    const float *q, int64_t q_head_stride,
+    const float *k_cache, const float *v_cache,
+    int64_t block_stride, int64_t slot_stride, int64_t head_stride,
+    const int32_t *table, int64_t len, const int32_t *next_table, int64_t next_len,
+    int kv_heads, int group, const int head_dim, int block_size, float scale,
+    float *out, int64_t out_head_stride)
+{
+    const int q_heads = kv_heads * group;
+    float qs[MAX_STATE], acc[MAX_STATE]; /* [q_heads][head_dim] */
+    float m[MAX_Q_HEADS], l[MAX_Q_HEADS];
+    float s[MAX_BLOCK];
+
+    for (int hq = 0; hq < q_heads; hq++) {
+        for (int d = 0; d < head_dim; d++) {
+            qs[hq * head_dim + d] = q[(int64_t)hq * q_head_stride + d] * scale;
+            acc[hq * head_dim + d] = 0.0f;
+        }
+        m[hq] = -INFINITY;
+        l[hq] = 0.0f;
+    }
+    for (int64_t i = 0; i * block_size < len; i++) {
+        const int64_t block = table[i];
+        const int n = (int)(len - i * block_size < block_size ? len - i * block_size : block_size);
+        const float *kb = k_cache + block * block_stride;
+        const float *vb = v_cache + block * block_stride;
+        /* The block ahead is asked for a slice per query head, spread over this block's
+         * compute: memory stays busy without the compute stalling behind a burst. */
+        int64_t ahead_tokens = 0;
+        const int64_t ahead = block_ahead(table, len, next_table, next_len, i, block_size, &ahead_tokens);
+        const int64_t ahead_floats = ahead < 0 ? 0 : ahead_tokens * slot_stride;
+        const int64_t ahead_lines = (ahead_floats + LINE_FLOATS - 1) / LINE_FLOATS;
+        const float *kn = k_cache + (ahead < 0 ? 0 : ahead) * block_stride;
+        const float *vn = v_cache + (ahead < 0 ? 0 : ahead) * block_stride;
+
+        for (int hq = 0; hq < q_heads; hq++) {
+            const int h = hq / group;
+            const float *kh = kb + (int64_t)h * head_stride;
+            const float *vh = vb + (int64_t)h * head_stride;
+            const float *qh = qs + hq * head_dim;
+            float *a = acc + hq * head_dim;
+            const int64_t from = ahead_lines * hq / q_heads, to = ahead_lines * (hq + 1) / q_heads;
+
+            prefetch_lines(kn, ahead_floats, from, to);
+            float block_max = -INFINITY;
+            for (int t = 0; t < n; t++) {
+                const float *krow = kh + t * slot_stride;
+                float dot = 0.0f;
+                for (int d = 0; d < head_dim; d++) dot += qh[d] * krow[d];
+                s[t] = dot;
+                block_max = dot > block_max ? dot : block_max;
+            }
+            const float m_new = block_max > m[hq] ? block_max : m[hq];
+            const float alpha = exp_nonpositive(m[hq] - m_new); /* 0 on the first block: m = -inf */
+            float sum = 0.0f;
+            for (int t = 0; t < n; t++) {
+                s[t] = exp_nonpositive(s[t] - m_new);
+                sum += s[t];
+            }
+            l[hq] = l[hq] * alpha + sum;
+            m[hq] = m_new;
+
+            /* Values PV_KEYS at a time: a[] is loaded and stored once per PV_KEYS keys, not
+             * once per key (a chain through memory that bounded this loop). */
+            prefetch_lines(vn, ahead_floats, from, to);
+            for (int d = 0; d < head_dim; d++) a[d] *= alpha;
+            int t = 0;
+            for (; t + PV_KEYS <= n; t += PV_KEYS) {
+                const float *v0 = vh + t * slot_stride, *v1 = v0 + slot_stride;
+                const float *v2 = v1 + slot_stride, *v3 = v2 + slot_stride;
+                const float w0 = s[t], w1 = s[t + 1], w2 = s[t + 2], w3 = s[t + 3];
+                for (int d = 0; d < head_dim; d++) a[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
+            }
+            for (; t < n; t++) {
+                const float *vrow = vh + t * slot_stride;
+                const float w = s[t];
+                for (int d = 0; d < head_dim; d++) a[d] += w * vrow[d];
+            }
+        }
+    }
+    for (int hq = 0; hq < q_heads; hq++) {
+        const float inv = l[hq] > 0.0f ? 1.0f / l[hq] : 0.0f;
+        for (int d = 0; d < head_dim; d++) out[(int64_t)hq * out_head_stride + d] = acc[hq * head_dim + d] * inv;
+    }
+}
 
 void paged_decode(
     const float *q, int64_t q_token_stride, int64_t q_head_stride,
@@ -26,60 +186,21 @@ void paged_decode(
     int kv_heads, int group, int head_dim, int block_size, float scale,
     float *out, int64_t out_token_stride, int64_t out_head_stride)
 {
-    float qs[MAX_GROUP][MAX_HEAD_DIM];
-    float acc[MAX_GROUP][MAX_HEAD_DIM];
-    float scores[MAX_GROUP][MAX_BLOCK];
-    float m[MAX_GROUP], l[MAX_GROUP];
-
     for (int64_t r = row_begin; r < row_end; r++) {
         const int32_t *table = block_tables + row_req[r] * table_stride;
-        const int64_t token = row_token[r], len = row_len[r];
-        for (int h = 0; h < kv_heads; h++) {
-            for (int g = 0; g < group; g++) {
-                const float *qrow = q + token * q_token_stride + (int64_t)(h * group + g) * q_head_stride;
-                for (int d = 0; d < head_dim; d++) {
-                    qs[g][d] = qrow[d] * scale;
-                    acc[g][d] = 0.0f;
-                }
-                m[g] = -INFINITY;
-                l[g] = 0.0f;
-            }
-            for (int64_t start = 0; start < len; start += block_size) {
-                const int64_t block = table[start / block_size];
-                const int n = (int)(len - start < block_size ? len - start : block_size);
-                const float *kb = k_cache + block * block_stride + (int64_t)h * head_stride;
-                const float *vb = v_cache + block * block_stride + (int64_t)h * head_stride;
-                for (int g = 0; g < group; g++) {
-                    float block_max = -INFINITY;
-                    for (int t = 0; t < n; t++) {
-                        const float *krow = kb + t * slot_stride;
-                        float s = 0.0f;
-                        for (int d = 0; d < head_dim; d++) s += qs[g][d] * krow[d];
-                        scores[g][t] = s;
-                        block_max = s > block_max ? s : block_max;
-                    }
-                    const float m_new = block_max > m[g] ? block_max : m[g];
-                    const float alpha = expf(m[g] - m_new); /* 0 on the first block: m = -inf */
-                    float sum = 0.0f;
-                    for (int t = 0; t < n; t++) {
-                        scores[g][t] = expf(scores[g][t] - m_new);
-                        sum += scores[g][t];
-                    }
-                    l[g] = l[g] * alpha + sum;
-                    m[g] = m_new;
-                    for (int d = 0; d < head_dim; d++) acc[g][d] *= alpha;
-                    for (int t = 0; t < n; t++) {
-                        const float *vrow = vb + t * slot_stride;
-                        const float p = scores[g][t];
-                        for (int d = 0; d < head_dim; d++) acc[g][d] += p * vrow[d];
-                    }
-                }
-            }
-            for (int g = 0; g < group; g++) {
-                float *orow = out + token * out_token_stride + (int64_t)(h * group + g) * out_head_stride;
-                const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-                for (int d = 0; d < head_dim; d++) orow[d] = acc[g][d] * inv;
-            }
+        const int last = r + 1 == row_end;
+        const int32_t *next_table = last ? table : block_tables + row_req[r + 1] * table_stride;
+        const int64_t next_len = last ? 0 : row_len[r + 1];
+        const float *qr = q + row_token[r] * q_token_stride;
+        float *orow = out + row_token[r] * out_token_stride;
+#define ROW(dim) decode_row(qr, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride, table, \
+                            row_len[r], next_table, next_len, kv_heads, group, dim, block_size, scale, orow, \
+                            out_head_stride)
+        switch (head_dim) { /* the common head sizes get their own unrolled copies */
+        case 64: ROW(64); break;
+        case 128: ROW(128); break;
+        default: ROW(head_dim);
         }
+#undef ROW
     }
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import math
 import random
 import shutil
 
@@ -11,7 +13,14 @@ from paged_batch import KV_HEADS, LAYER, decode_batch, dense_decode
 
 from siesta.attention import cpu_attention
 from siesta.attention.base import get_attention_backend
-from siesta.attention.cpu_attention import CpuAttention, _balanced_bounds, load_kernel
+from siesta.attention.cpu_attention import MAX_Q_HEADS, MAX_STATE, CpuAttention, _balanced_bounds, load_kernel
+
+# The kernel's exp against float64 exp, in units in the last place of the fp32 result.
+EXP_MAX_ULP = 2
+# Below this the kernel's exp returns 0 (exp(EXP_ZERO_BELOW) = 2^-126, the smallest normal fp32).
+EXP_ZERO_BELOW = math.log(2.0**-126)
+EXP_SWEEP_POINTS = 1_000_001
+INT_RANGE = 8  # test_extreme_score_gaps: entries in [-8, 8], so 64-dim scores span hundreds
 
 
 def _run(backend, q, cache, meta, rows=None) -> torch.Tensor:
@@ -29,7 +38,9 @@ def kernel_built() -> None:
     assert load_kernel() is not None, "the CPU machines (CI's too) have a C compiler: the kernel must build"
 
 
-@pytest.mark.parametrize("group,head_dim,block", [(1, 16, 4), (3, 64, 16), (4, 128, 16), (8, 64, 32)])
+# (2, 24, 7): a head_dim with no unrolled copy, not a multiple of the vector width, and blocks
+# whose keys do not split into the value loop's groups of four.
+@pytest.mark.parametrize("group,head_dim,block", [(1, 16, 4), (3, 64, 16), (4, 128, 16), (8, 64, 32), (2, 24, 7)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_kernel_matches_dense_attention(group: int, head_dim: int, block: int, threads: int) -> None:
     rng = random.Random(group * 100 + head_dim + threads)
@@ -37,6 +48,54 @@ def test_kernel_matches_dense_attention(group: int, head_dim: int, block: int, t
     q, cache, meta = decode_batch(lens, seed=threads, group=group, head_dim=head_dim, block=block)
     out = _run(CpuAttention(num_threads=threads), q, cache, meta)
     torch.testing.assert_close(out, dense_decode(q, cache, meta, head_dim**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_takes_a_large_group() -> None:
+    """Past the old cap of 16 query heads per KV head: the kernel keeps state per query head."""
+    q, cache, meta = decode_batch([33, 5, 64, 17], seed=5, group=32, head_dim=64, block=16)
+    out = torch.empty_like(q)
+    assert CpuAttention._takes(q, cache.layer(LAYER)[0], out)
+    torch.testing.assert_close(_run(CpuAttention(num_threads=2), q, cache, meta),
+                               dense_decode(q, cache, meta, q.shape[-1] ** -0.5), rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("group,head_dim", [(40, 128), (MAX_Q_HEADS // KV_HEADS + 1, 16)])
+def test_too_many_heads_take_the_torch_path(group: int, head_dim: int) -> None:
+    q, cache, meta = decode_batch([9, 20], seed=6, group=group, head_dim=head_dim)
+    assert q.shape[1] > MAX_Q_HEADS or q.shape[1] * head_dim > MAX_STATE
+    assert not CpuAttention._takes(q, cache.layer(LAYER)[0], torch.empty_like(q))
+    torch.testing.assert_close(_run(CpuAttention(), q, cache, meta), dense_decode(q, cache, meta, head_dim**-0.5),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_extreme_score_gaps() -> None:
+    """Scores hundreds apart: weights far below the max's underflow to 0, none turns NaN. Small
+    integers make every score exact in fp32, so no summation order can tell the two paths apart."""
+    q, cache, meta = decode_batch([3, 16, 29, 50], seed=8, head_dim=64, block=16)
+    gen = torch.Generator().manual_seed(9)
+    cache.tensor.copy_(torch.randint(-INT_RANGE, INT_RANGE + 1, cache.tensor.shape, generator=gen))
+    q = torch.randint(-INT_RANGE, INT_RANGE + 1, q.shape, generator=gen).float()
+    out = torch.full_like(q, float("nan"))
+    CpuAttention(num_threads=2)._decode(q, cache, LAYER, meta, 1.0, list(range(meta.num_reqs)), out)
+    torch.testing.assert_close(out, dense_decode(q, cache, meta, 1.0), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_exp_is_within_two_ulp_and_zero_at_the_far_end() -> None:
+    lib = load_kernel()
+    lib.decode_exp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.decode_exp.restype = None
+
+    def kernel_exp(x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_like(x)
+        lib.decode_exp(x.data_ptr(), y.data_ptr(), x.numel())
+        return y
+
+    x = torch.linspace(EXP_ZERO_BELOW + 1e-4, 0.0, EXP_SWEEP_POINTS)
+    got, want = kernel_exp(x).double(), x.double().exp()
+    ulp = (want.float().nextafter(torch.tensor(float("inf"))) - want.float()).double()
+    assert ((got - want).abs() / ulp).max().item() <= EXP_MAX_ULP
+    special = torch.tensor([0.0, -0.0, -1e-30, EXP_ZERO_BELOW - 1e-3, -88.0, -1e4, -1e30, -float("inf")])
+    assert kernel_exp(special).tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_kernel_writes_only_its_rows_and_reads_strided_queries() -> None:
