@@ -7,9 +7,10 @@ their own streams.
 
 The pinned memory is one ring allocated up front, not ``pin_memory()`` per copy: a
 copy of a size the caching host allocator has not seen yet calls ``cudaHostAlloc``,
-which can stall behind the tier's copies in flight (H200: a resume step whose block
-table first outgrew the cached sizes took 0.34-0.48 s, until the remaining 10-19 GB
-of loads had landed).
+which takes a driver-wide lock (vLLM measured such calls stalling under load). On the
+H200, resume replays had steps that waited 0.3-0.5 s until the tier's loads in flight
+had landed; with the ring they became rarer but did not vanish, so this was at most
+one of their causes.
 """
 
 from __future__ import annotations
