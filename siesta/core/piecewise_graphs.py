@@ -53,23 +53,25 @@ class PiecewiseGraphs:
         self.model = model
         self.kv_cache = kv_cache
         self.use_graphs = use_graphs
-        self.buckets = [b for b in BUCKETS if b <= max_tokens] or [BUCKETS[0]]
+        # Every bucket below the step budget and the first that holds it (the largest, past 2,048).
+        holds_all = next((b for b in BUCKETS if b >= max_tokens), BUCKETS[-1])
+        self.buckets = sorted({b for b in BUCKETS if b < max_tokens} | {holds_all})
         shape = model.shape
         n, dev = self.buckets[-1], kv_cache.tensor.device
         dtype = model.lm_head.weight.dtype
 
-        def empty(*dims: int) -> torch.Tensor:
+        def zeros(*dims: int) -> torch.Tensor:
             return torch.zeros((n, *dims), dtype=dtype, device=dev)
 
         self.buf = _Buffers(
             input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
             positions=torch.zeros(n, dtype=torch.int64, device=dev),
-            q=empty(shape.num_heads, shape.head_dim),
-            k=empty(shape.num_kv_heads, shape.head_dim),
-            v=empty(shape.num_kv_heads, shape.head_dim),
-            residual=empty(shape.hidden_size),
-            attn_out=empty(shape.num_heads, shape.head_dim),
-            hidden=empty(shape.hidden_size),
+            q=zeros(shape.num_heads, shape.head_dim),
+            k=zeros(shape.num_kv_heads, shape.head_dim),
+            v=zeros(shape.num_kv_heads, shape.head_dim),
+            residual=zeros(shape.hidden_size),
+            attn_out=zeros(shape.num_heads, shape.head_dim),
+            hidden=zeros(shape.hidden_size),
         )
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.pool = None
@@ -129,7 +131,9 @@ class PiecewiseGraphs:
                 pieces.append(graph)
             self.graphs[b] = pieces
         torch.cuda.synchronize()
-        logger.info("captured %d piecewise graphs in %.1fs", sum(map(len, self.graphs.values())), time.perf_counter() - t0)
+        logger.info(
+            "captured %d piecewise graphs in %.1fs", sum(map(len, self.graphs.values())), time.perf_counter() - t0
+        )
 
     def invalidate(self) -> None:
         """Drop the graphs (their addresses died with a sleep); the next ``run`` recaptures."""

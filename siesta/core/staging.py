@@ -90,7 +90,9 @@ def to_host_list(tensor: torch.Tensor) -> list:
         return tensor.tolist()
     ring = reserve()
     region = ring.take(tensor.numel() * tensor.element_size())
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if region is None else ring.view(region, tensor)
+    host = (
+        torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if region is None else ring.view(region, tensor)
+    )
     host.copy_(tensor, non_blocking=True)
     torch.cuda.current_stream(tensor.device).synchronize()
     return host.tolist()  # the region is free again: the copy is done

@@ -58,6 +58,12 @@ def test_pieces_through_the_buffers_match_the_eager_forward(specs) -> None:
     assert torch.equal(pieces_cache, eager_cache)
 
 
+@pytest.mark.parametrize("budget,buckets", [(64, [16, 32, 64]), (100, [16, 32, 64, 128]), (10, [16])])
+def test_buckets_reach_the_step_budget(budget: int, buckets: list[int]) -> None:
+    runner = _runner("cpu", "float32", "torch", enforce_eager=True)
+    assert PiecewiseGraphs(runner.model, runner.kv_cache, max_tokens=budget, use_graphs=False).buckets == buckets
+
+
 def test_a_step_past_the_largest_bucket_is_left_to_the_eager_path() -> None:
     runner = _runner("cpu", "float32", "torch", enforce_eager=True)
     graphs = PiecewiseGraphs(runner.model, runner.kv_cache, max_tokens=32, use_graphs=False)
