@@ -26,6 +26,7 @@ BF16_PEAK_FLOPS = 989e12  # datasheet dense bf16; the measured matmul ceiling is
 MEASURED_MATMUL_FLOPS = 774e12
 MIXED_REPS = 10
 MIXED_TOP_KERNELS = 8
+TRACE_TOP_CALLS = 30
 
 
 def _sync() -> None:
@@ -286,6 +287,39 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
+    """The kept-tier replay (mixed steps eager, where long waits showed most) under torch.profiler:
+    the longest host calls by self time, CUDA runtime calls included, with when they began, to
+    find what a step that waits for the tier's loads in flight is waiting in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from siesta.bench.resume_offline import _fire_all
+
+    tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"block_size": args.tier_block_size, "cpu_bytes_to_use": args.tier_bytes}}  # fmt: skip
+    llm = _llm(args, kv_transfer_config=tier, gpu_memory_utilization=0.9)
+    llm.engine.runner.piecewise = None
+    ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, llm.engine.vocab_size, seed=300)
+    _fire_all(llm, ps, 8)
+    llm.engine.connector.wait_for_stores(llm.engine.runner.kv_cache)
+    llm.sleep(level=1, clear_connector_cache=False)
+    llm.wake_up()
+    steps: list[tuple[float, int, int]] = []
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        latencies = _fire_all(llm, ps, 8, steps)
+    host = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    t0 = min(e.time_range.start for e in host)
+    longest = sorted(host, key=lambda e: -e.self_cpu_time_total)[:TRACE_TOP_CALLS]
+    return {
+        "replay_p50_s": sorted(latencies)[len(latencies) // 2],
+        "replay_steps": steps,
+        "longest_host_calls": [{"name": e.name[:80], "self_ms": round(e.self_cpu_time_total / 1e3, 2),
+                                "start_ms": round((e.time_range.start - t0) / 1e3, 1), "thread": e.thread}
+                               for e in longest],  # fmt: skip
+    }
+
+
 def transfers(args: argparse.Namespace) -> dict[str, Any]:
     """Host-tier store and load rates: the copier's own path, one DMA per device block."""
     from siesta.tiers.transfer import BlockCopier
@@ -489,6 +523,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "transfers": transfers,
     "store_overlap": store_overlap,
     "mixed_step": mixed_step,
+    "resume_trace": resume_trace,
 }
 
 
