@@ -311,12 +311,15 @@ def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
     host = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     t0 = min(e.time_range.start for e in host)
     longest = sorted(host, key=lambda e: -e.self_cpu_time_total)[:TRACE_TOP_CALLS]
+
+    def call(e) -> dict[str, Any]:
+        start_ms = (e.time_range.start - t0) / 1e3
+        return {"name": e.name[:80], "self_ms": round(e.self_cpu_time_total / 1e3, 2), "start_ms": round(start_ms, 1)}
+
     return {
         "replay_p50_s": sorted(latencies)[len(latencies) // 2],
         "replay_steps": steps,
-        "longest_host_calls": [{"name": e.name[:80], "self_ms": round(e.self_cpu_time_total / 1e3, 2),
-                                "start_ms": round((e.time_range.start - t0) / 1e3, 1), "thread": e.thread}
-                               for e in longest],  # fmt: skip
+        "longest_host_calls": [call(e) for e in longest],
     }
 
 
