@@ -34,8 +34,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 # Reassociation lets gcc vectorize the dot products. Not -ffast-math: a shared object built
 # with it sets flush-to-zero for the whole process when it is loaded.
+# -fopenmp: linear_rows splits its work with OpenMP (torch's runtime, see there).
 CFLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-          "-fno-math-errno", "-fPIC", "-shared")  # fmt: skip
+          "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")  # fmt: skip
 KERNEL_SUBDIR = "kernels"
 # The kernel's stack buffers (MAX_Q_HEADS, MAX_STATE, MAX_BLOCK in cpu_decode.c): a row's query
 # heads, its query heads x head_dim, the block size.
@@ -49,6 +50,11 @@ _ARGTYPES = [
     _I64P, _I64P, _I64P, _I64, _I64,  # per row: request, token, context length; the row range
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,  # kv heads, group, head_dim, block, scale
     _F32P, _I64, _I64,  # out, its token and head strides
+]  # fmt: skip
+_LINEAR_ARGTYPES = [
+    _F32P, _I64, ctypes.c_int,  # x, its row stride, rows
+    _F32P, _I64, _F32P,  # weight [N, K], K, bias (or None)
+    _F32P, _I64, _I64, _I64,  # y, its row stride, the output features [begin, end) of this call
 ]  # fmt: skip
 
 
@@ -96,6 +102,9 @@ def build_kernel(source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL 
     lib = ctypes.CDLL(str(path))
     lib.paged_decode.argtypes = _ARGTYPES
     lib.paged_decode.restype = None
+    if hasattr(lib, "linear_rows"):  # past builds (the benchmark's baseline) lack it
+        lib.linear_rows.argtypes = _LINEAR_ARGTYPES
+        lib.linear_rows.restype = None
     return lib
 
 

@@ -105,6 +105,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``; on the CPU a decode step's few fp32 rows go through a compiled kernel."""
+    if not x.is_cuda and x.shape[0] <= _cpu_linear().MAX_ROWS:
+        out = _cpu_linear().linear(x, weight, bias)
+        if out is not None:
+            return out
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and names) through ``linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def _cpu_linear():
+    # Imported on first CPU use: it loads (and may build) the CPU kernels.
+    from siesta.model import cpu_linear
+
+    return cpu_linear
+
+
 def _triton_ops():
     # Imported on first CUDA use: CPU-only installs never load Triton for these.
     from siesta.model import triton_ops
@@ -134,7 +157,7 @@ class MergedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(start)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def load_shard(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
         start, size = self.offsets[shard]

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from siesta.attention.base import AttentionBackend, AttentionMetadata, KVCache
-from siesta.model.layers import MergedLinear, RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
+from siesta.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         self.qkv_proj = MergedLinear(shape.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=shape.qkv_bias)
-        self.o_proj = nn.Linear(q_size, shape.hidden_size, bias=False)
+        self.o_proj = Linear(q_size, shape.hidden_size, bias=False)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.rotary = rotary
@@ -108,7 +108,7 @@ class MLP(nn.Module):
         super().__init__()
         self.inter = shape.intermediate_size
         self.gate_up_proj = MergedLinear(shape.hidden_size, {"gate": self.inter, "up": self.inter}, bias=False)
-        self.down_proj = nn.Linear(self.inter, shape.hidden_size, bias=False)
+        self.down_proj = Linear(self.inter, shape.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -170,7 +170,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.shape = DecoderShape.from_config(config)
         self.model = DecoderModel(self.shape, max_positions, backend)
-        self.lm_head = nn.Linear(self.shape.hidden_size, self.shape.vocab_size, bias=False)
+        self.lm_head = Linear(self.shape.hidden_size, self.shape.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -1,0 +1,69 @@
+"""The CPU decode linear kernel against F.linear, and where it declines to serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from siesta.model import cpu_linear
+from siesta.model.layers import linear
+
+
+def _case(rows: int, n: int, k: int, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    return x, w, b
+
+
+# n not a multiple of the kernel's 4-row groups (a tail), k not a multiple of a vector.
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("n,k,bias", [(576, 576, False), (1030, 77, True), (3, 64, True), (49, 1536, False)])
+@torch.inference_mode()
+def test_matches_f_linear(rows: int, n: int, k: int, bias: bool) -> None:
+    x, w, b = _case(rows, n, k, bias)
+    out = cpu_linear.linear(x, w, b)
+    assert out is not None, "the CPU machines build the kernel"
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_strided_rows_and_any_thread_count_give_the_same_bits() -> None:
+    x, w, b = _case(4, 333, 128, True)
+    wide = torch.zeros(4, 200)
+    wide[:, :128] = x
+    strided = wide[:, :128]  # row stride 200
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(cpu_linear.linear(strided, w, b))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results)
+    torch.testing.assert_close(results[0], F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_declines_what_gemm_should_do() -> None:
+    x, w, b = _case(cpu_linear.MAX_ROWS + 1, 16, 16, True)
+    with torch.inference_mode():
+        assert cpu_linear.linear(x, w, b) is None  # too many rows: compute-bound
+        assert cpu_linear.linear(x[:2].double(), w.double(), None) is None
+        assert cpu_linear.linear(x[:2], w.t(), None) is None  # weight not row-major
+    w.requires_grad_(True)
+    assert cpu_linear.linear(x[:2], w, None) is None  # a backward is wanted
+
+
+def test_layers_linear_keeps_autograd_and_matches_in_every_case() -> None:
+    x, w, b = _case(2, 40, 24, True)
+    w.requires_grad_(True)
+    out = linear(x, w, b)
+    out.sum().backward()
+    assert w.grad is not None
+    with torch.inference_mode():
+        for rows in (1, cpu_linear.MAX_ROWS + 4):
+            xr = _case(rows, 40, 24, True, seed=rows)[0]
+            torch.testing.assert_close(linear(xr, w, b), F.linear(xr, w, b), rtol=1e-5, atol=1e-4)
