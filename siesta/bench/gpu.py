@@ -443,8 +443,6 @@ def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
     decode rows), eager against the engine's path (piecewise CUDA graphs). Wall ms per
     forward against the device's busy ms (the rest is launch overhead on the host), kernel
     launches, the costliest kernels, and how far the two paths' hidden states differ."""
-    from siesta.core.model_runner import StepInputs
-
     llm = _llm(args, gpu_memory_utilization=0.85)
     runner = llm.engine.runner
     extend = args.resume_tokens % args.tier_block_size or args.tier_block_size
@@ -456,14 +454,9 @@ def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
     }
     res: dict[str, Any] = {"extend_tokens": extend, "prefix_tokens": prefix}
     for name, specs in cases.items():
-        meta = runner._dummy_meta(specs, runner.kv_cache.num_blocks)
-        n = meta.query_start_loc_cpu[-1]
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, llm.engine.vocab_size, (n,), generator=gen).to(runner.device)
-        pos = torch.tensor([c + i for c, q in specs for i in range(q)], device=runner.device)
-        inputs = StepInputs(ids, pos, meta, logits_rows=torch.tensor([n - 1], device=runner.device), sampled=[])
-        paths = {"eager": lambda ids=ids, pos=pos, meta=meta: runner.model(ids, pos, runner.kv_cache, meta),
-                 "engine": lambda inputs=inputs: runner._forward(inputs)}  # fmt: skip
+        inputs = runner._dummy_inputs(specs, runner.kv_cache.num_blocks, seed=0)
+        paths = {"eager": lambda i=inputs: runner.model(i.input_ids, i.positions, runner.kv_cache, i.meta),
+                 "engine": lambda i=inputs: runner._forward(i)}  # fmt: skip
         hidden = {}
         res[name] = {}
         for path, forward in paths.items():

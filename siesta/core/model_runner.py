@@ -171,11 +171,9 @@ class ModelRunner:
         ]
         with torch.inference_mode():
             for specs in batches:
-                meta = self._dummy_meta(specs, self.kv_cache.num_blocks)
-                n = meta.query_start_loc_cpu[-1]
-                positions = torch.tensor([c + i for c, q in specs for i in range(q)], device=self.device)
-                hidden = self.model(torch.zeros(n, dtype=torch.long, device=self.device), positions, self.kv_cache, meta)
-                self.model.compute_logits(hidden[-1:])
+                inputs = self._dummy_inputs(specs, self.kv_cache.num_blocks)
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+                self.model.compute_logits(hidden[inputs.logits_rows])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.info("attention kernels warmed up in %.1fs", time.perf_counter() - t0)
@@ -202,6 +200,20 @@ class ModelRunner:
             max_query_len=max(q for _, q in specs), max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
         )  # fmt: skip
+
+    def _dummy_inputs(self, specs: list[tuple[int, int]], num_blocks: int, writes: bool = False,
+                      seed: int | None = None) -> StepInputs:  # fmt: skip
+        """A step of ``_dummy_meta``'s batch: token ids 0 (random in the vocabulary with a
+        ``seed``), every token at its position, the last token's logits sampled."""
+        meta = self._dummy_meta(specs, num_blocks, writes)
+        n = meta.query_start_loc_cpu[-1]
+        if seed is None:
+            ids = torch.zeros(n, dtype=torch.long)
+        else:
+            ids = torch.randint(0, self.model.shape.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+        positions = torch.tensor([c + i for c, q in specs for i in range(q)])
+        dev = self.device
+        return StepInputs(ids.to(dev), positions.to(dev), meta, logits_rows=torch.tensor([n - 1], device=dev), sampled=[])
 
     @property
     def num_blocks(self) -> int:

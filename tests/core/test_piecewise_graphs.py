@@ -23,12 +23,7 @@ def _runner(device: str, dtype: str, backend: str, enforce_eager: bool) -> Model
 
 
 def _inputs(runner: ModelRunner, specs: list[tuple[int, int]]) -> StepInputs:
-    meta = runner._dummy_meta(specs, runner.kv_cache.num_blocks, writes=True)
-    n = meta.query_start_loc_cpu[-1]
-    gen = torch.Generator().manual_seed(n)
-    ids = torch.randint(0, runner.model.shape.vocab_size, (n,), generator=gen).to(runner.device)
-    pos = torch.tensor([c + i for c, q in specs for i in range(q)], device=runner.device)
-    return StepInputs(ids, pos, meta, logits_rows=torch.tensor([n - 1], device=runner.device), sampled=[])
+    return runner._dummy_inputs(specs, runner.kv_cache.num_blocks, writes=True, seed=sum(q for _, q in specs))
 
 
 def _both_paths(runner: ModelRunner, run_pieces, specs) -> tuple[torch.Tensor, ...]:
@@ -62,6 +57,17 @@ def test_pieces_through_the_buffers_match_the_eager_forward(specs) -> None:
 def test_buckets_reach_the_step_budget(budget: int, buckets: list[int]) -> None:
     runner = _runner("cpu", "float32", "torch", enforce_eager=True)
     assert PiecewiseGraphs(runner.model, runner.kv_cache, max_tokens=budget, use_graphs=False).buckets == buckets
+
+
+def test_the_runner_sends_steps_with_prefill_rows_through_the_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = _runner("cpu", "float32", "torch", enforce_eager=True)
+    runner.piecewise = PiecewiseGraphs(runner.model, runner.kv_cache, max_tokens=64, use_graphs=False)
+    served = []
+    run = runner.piecewise.run
+    monkeypatch.setattr(runner.piecewise, "run", lambda *a: served.append(a[0].shape[0]) or run(*a))
+    eager, _, pieces, _ = _both_paths(runner, runner._forward, MIXED)
+    assert served == [sum(q for _, q in MIXED)]
+    torch.testing.assert_close(pieces, eager, rtol=1e-5, atol=1e-5)
 
 
 def test_a_step_past_the_largest_bucket_is_left_to_the_eager_path() -> None:
