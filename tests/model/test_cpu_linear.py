@@ -67,3 +67,19 @@ def test_layers_linear_keeps_autograd_and_matches_in_every_case() -> None:
         for rows in (1, cpu_linear.MAX_ROWS + 4):
             xr = _case(rows, 40, 24, True, seed=rows)[0]
             torch.testing.assert_close(linear(xr, w, b), F.linear(xr, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_model_linears_reach_the_kernel_at_decode_sizes_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from siesta.model.layers import Linear
+
+    layer = Linear(24, 40, bias=True)
+    calls: list[int] = []
+    kernel = cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or kernel(x, w, b))
+    with torch.inference_mode():
+        for rows in (1, cpu_linear.MAX_ROWS + 4):
+            x = _case(rows, 40, 24, False, seed=rows)[0]
+            served = kernel(x, layer.weight, layer.bias) is not None
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+            assert served == (rows <= cpu_linear.MAX_ROWS)
+    assert calls == [1, cpu_linear.MAX_ROWS + 4]  # every CPU call is offered to the kernel, which declines big ones
