@@ -26,7 +26,9 @@ BF16_PEAK_FLOPS = 989e12  # datasheet dense bf16; the measured matmul ceiling is
 MEASURED_MATMUL_FLOPS = 774e12
 MIXED_REPS = 10
 MIXED_TOP_KERNELS = 8
-TRACE_TOP_CALLS = 30
+TRACE_SLOW_STEPS = 4
+STEP_IO_REPS = 30
+STEP_IO_DEADLINE_S = 0.1
 
 
 def _sync() -> None:
@@ -186,7 +188,8 @@ def _triton_variants() -> int:
     from triton.runtime.jit import JITFunction
 
     count = 0
-    for name in ("siesta.attention.triton_attention", "siesta.attention.triton_kv_write", "siesta.model.triton_ops"):
+    for name in ("siesta.attention.triton_attention", "siesta.attention.triton_kv_write", "siesta.model.triton_ops",
+                 "siesta.core.staging"):
         try:
             module = importlib.import_module(name)
         except ImportError:
@@ -288,39 +291,169 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
-    """The kept-tier replay (mixed steps eager, where long waits showed most) under torch.profiler:
-    the longest host calls by self time, CUDA runtime calls included, with when they began, to
-    find what a step that waits for the tier's loads in flight is waiting in."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """The kept-tier replay (mixed steps eager, where long waits showed most) with its phases
+    timed and the step loop's stack sampled: for the slowest steps, where the wall time went
+    (schedule, tier copies, prepare, forward, logits, sample, update, the feeder's lock) and
+    which lines the step loop was seen on. Late samples mean the GIL was held elsewhere."""
+    from siesta.bench.probes import PhaseTimer, StackSampler
     from siesta.bench.resume_offline import _fire_all
 
     tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"block_size": args.tier_block_size, "cpu_bytes_to_use": args.tier_bytes}}  # fmt: skip
     llm = _llm(args, kv_transfer_config=tier, gpu_memory_utilization=0.9)
-    llm.engine.runner.piecewise = None
-    ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, llm.engine.vocab_size, seed=300)
+    eng, runner = llm.engine, llm.engine.runner
+    runner.piecewise = None
+    ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, eng.vocab_size, seed=300)
     _fire_all(llm, ps, 8)
-    llm.engine.connector.wait_for_stores(llm.engine.runner.kv_cache)
+    eng.connector.wait_for_stores(runner.kv_cache)
     llm.sleep(level=1, clear_connector_cache=False)
     llm.wake_up()
+    timer = PhaseTimer()
+    timer.wrap(eng, "step")
+    for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (eng.connector, "run_loads"),
+                        (eng.connector, "run_stores"), (eng.connector, "poll"), (eng.connector.loads, "landed"),
+                        (eng.connector.loads, "submit")):  # fmt: skip
+        timer.wrap(owner, attr)
+    for owner, attr in ((runner, "_prepare"), (runner, "_forward"), (runner.model, "compute_logits"), (runner, "sampler")):
+        timer.wrap(owner, attr, device=torch.cuda.is_available())
     steps: list[tuple[float, int, int]] = []
-    cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with StackSampler() as sampler:
         latencies = _fire_all(llm, ps, 8, steps)
-    host = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
-    t0 = min(e.time_range.start for e in host)
-    longest = sorted(host, key=lambda e: -e.self_cpu_time_total)[:TRACE_TOP_CALLS]
-
-    def call(e) -> dict[str, Any]:
-        start_ms = (e.time_range.start - t0) / 1e3
-        return {"name": e.name[:80], "self_ms": round(e.self_cpu_time_total / 1e3, 2), "start_ms": round(start_ms, 1)}
-
+    timer.unwrap()
+    walls = [(t1 - t0, t0, t1) for name, t0, t1 in timer.calls if name == "step"]
+    slowest = sorted(walls, reverse=True)[:TRACE_SLOW_STEPS]
     return {
         "replay_p50_s": sorted(latencies)[len(latencies) // 2],
         "replay_steps": steps,
-        "longest_host_calls": [call(e) for e in longest],
-    }
+        "samples": len(sampler.samples),
+        "slowest_steps": [{"wall_s": round(w, 4), "phases_s": timer.within(t0, t1),
+                           "device_phases_s": timer.device_within(t0, t1) if timer.device_calls else {},
+                           "stacks": sampler.within(t0, t1), "late_samples_s": sampler.late_within(t0, t1)}
+                          for w, t0, t1 in slowest],
+    }  # fmt: skip
+
+
+def decode_trace(args: argparse.Namespace) -> dict[str, Any]:
+    """Where a batch-1 decode step's wall time goes on the host, per phase, next to the
+    graph's own replay time: the part of the step the device sits idle for."""
+    from siesta.bench.probes import PhaseTimer
+
+    llm = _llm(args, gpu_memory_utilization=0.85)
+    eng, runner = llm.engine, llm.engine.runner
+    res: dict[str, Any] = {}
+    for b in (1, 64):
+        timer = PhaseTimer()
+        timer.wrap(llm, "step", "llm_step")
+        timer.wrap(eng, "step")
+        for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (runner, "_prepare"),
+                            (runner, "_forward"), (runner.model, "compute_logits"), (runner, "sampler")):  # fmt: skip
+            timer.wrap(owner, attr)
+        step_s = _decode_step_s(llm, b, args.decode_context, args.decode_steps)
+        timer.unwrap()
+        steps = [c for c in timer.calls if c[0] == "llm_step"][-args.decode_steps :]
+        per_step = timer.within(steps[0][1], steps[-1][2] + 1e-9)
+        res[f"batch{b}"] = {"step_ms": step_s * 1e3, "graph_replay_ms": _replay_s(llm, b) * 1e3,
+                            "phases_ms": {k: round(v / len(steps) * 1e3, 3) for k, v in per_step.items()}}  # fmt: skip
+    return res
+
+
+def step_io(args: argparse.Namespace) -> dict[str, Any]:
+    """How long a step's small copy (4 KiB) takes while tier copies stream in or out: through
+    the copy engine (``copy_``) or read/written by a kernel straight from pinned host memory
+    (zero-copy). Tier copies go out as the engine issues them (one ``cuMemcpyBatchAsync`` per
+    chunk, ``batched``) or as plain ``copy_`` on a side stream (``plain``). A small copy that
+    has not landed after ``STEP_IO_DEADLINE_S`` counts as starved."""
+    import threading
+
+    from siesta.core.staging import copy_words
+    from siesta.tiers.transfer import _BatchedCopies
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    chunk, in_flight = 128 << 20, 4
+    host_big = torch.empty(chunk * in_flight, dtype=torch.uint8, pin_memory=True)
+    dev_big = torch.empty(chunk * in_flight, dtype=torch.uint8, device=dev)
+    batch = _BatchedCopies.create()
+    small_host = torch.arange(1024, dtype=torch.int32).pin_memory()
+    small_dev = torch.zeros(1024, dtype=torch.int32, device=dev)
+
+    def feed(direction: str, batched: bool, stop: threading.Event, moved: list[int]) -> None:
+        torch.cuda.set_device(dev)
+        stream = torch.cuda.Stream(dev)
+        events: list[torch.cuda.Event] = []
+        i = 0
+        while not stop.is_set():
+            if len(events) == in_flight:
+                events.pop(0).synchronize()
+            h, d = host_big[i * chunk : (i + 1) * chunk], dev_big[i * chunk : (i + 1) * chunk]
+            pair = (d, h) if direction == "in" else (h, d)
+            if batched:
+                batch.issue([pair], stream)
+            else:
+                with torch.cuda.stream(stream):
+                    pair[0].copy_(pair[1], non_blocking=True)
+            e = torch.cuda.Event()
+            e.record(stream)
+            events.append(e)
+            moved[0] += chunk
+            i = (i + 1) % in_flight
+        for e in events:
+            e.synchronize()
+
+    def once(way: str) -> float:
+        t0 = time.perf_counter()
+        if way == "h2d_copy":
+            small_dev.copy_(small_host, non_blocking=True)
+        elif way == "h2d_kernel":
+            copy_words(small_host, small_dev)
+        elif way == "d2h_copy":
+            small_host.copy_(small_dev, non_blocking=True)
+        else:
+            copy_words(small_dev, small_host)
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            if time.perf_counter() - t0 > STEP_IO_DEADLINE_S:
+                return float("inf")
+            time.sleep(1e-5)
+        return time.perf_counter() - t0
+
+    def measure(way: str) -> dict[str, Any]:
+        """Latencies until the first starved copy (the ones queued behind it would be too)."""
+        lat = []
+        for _ in range(STEP_IO_REPS):
+            lat.append(once(way))
+            if lat[-1] == float("inf"):
+                break
+        us = sorted(round(x * 1e6, 1) for x in lat if x != float("inf")) or [float("nan")]
+        return {"p50_us": us[len(us) // 2], "max_us": us[-1], "starved_after": len(lat) if lat[-1] == float("inf") else None}
+
+    res: dict[str, Any] = {"tier_copies_batched": batch is not None, "deadline_s": STEP_IO_DEADLINE_S}
+    ways = ("h2d_kernel", "d2h_kernel", "h2d_copy", "d2h_copy")
+    for way in ways:
+        once(way)
+    torch.cuda.synchronize()
+    res["idle"] = {way: measure(way) for way in ways}
+    for direction in ("in", "out"):
+        for batched in (True, False):
+            if batched and batch is None:
+                continue
+            name = f"{direction}_{'batched' if batched else 'plain'}"
+            res[name] = {}
+            for way in ways:
+                stop, moved = threading.Event(), [0]
+                thread = threading.Thread(target=feed, args=(direction, batched, stop, moved), daemon=True)
+                thread.start()
+                time.sleep(0.05)
+                t0, start = time.perf_counter(), moved[0]
+                res[name][way] = measure(way) if moved[0] else {"error": "the feeder moved nothing"}
+                res[name][way]["tier_GB_s"] = round((moved[0] - start) / (time.perf_counter() - t0) / 1e9, 1)
+                stop.set()
+                thread.join()
+                torch.cuda.synchronize()
+    copy_words(small_host, small_dev)
+    torch.cuda.synchronize()
+    res["kernel_exact"] = bool(torch.equal(small_dev.cpu(), small_host))
+    return res
 
 
 def transfers(args: argparse.Namespace) -> dict[str, Any]:
@@ -520,6 +653,8 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "store_overlap": store_overlap,
     "mixed_step": mixed_step,
     "resume_trace": resume_trace,
+    "decode_trace": decode_trace,
+    "step_io": step_io,
 }
 
 

@@ -1,0 +1,132 @@
+"""Where a slow engine step spends its wall time: timed phases and sampled stacks.
+
+``PhaseTimer`` wraps named methods and records when each call began and ended.
+``StackSampler`` looks at one thread's Python stack every few milliseconds from a
+thread of its own; a step blocked in a lock, a driver call or on the GIL shows up
+as the line it is blocked on (or, for the GIL, as a late sample).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+STACK_DEPTH = 4  # innermost frames kept per sample
+
+
+@dataclass
+class PhaseTimer:
+    calls: list[tuple[str, float, float]] = field(default_factory=list)  # (phase, start, end)
+    device_calls: list[tuple[str, float, Any, Any]] = field(default_factory=list)  # (phase, start, events)
+    _wrapped: list[tuple[Any, str, Any]] = field(default_factory=list)  # (owner, attr, own value or None)
+
+    def wrap(self, owner: Any, attr: str, phase: str | None = None, device: bool = False) -> None:
+        """Time every call of ``owner.attr`` (an instance attribute shadows the method).
+
+        ``device``: also time, on the current CUDA stream, the work the call queued there.
+        """
+        fn = getattr(owner, attr)
+        name = phase or attr
+
+        def timed(*args, **kwargs):
+            start = _stream_event() if device else None
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.calls.append((name, t0, time.perf_counter()))
+                if start is not None:
+                    self.device_calls.append((name, t0, start, _stream_event()))
+
+        own = vars(owner).get(attr)  # an instance attribute (not a method) is put back as it was
+        setattr(owner, attr, timed)
+        self._wrapped.append((owner, attr, own))
+
+    def unwrap(self) -> None:
+        for owner, attr, own in reversed(self._wrapped):
+            if own is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, own)
+        self._wrapped.clear()
+
+    def within(self, start: float, end: float) -> dict[str, float]:
+        """Seconds per phase of the calls that began in [start, end)."""
+        spent: Counter[str] = Counter()
+        for name, t0, t1 in self.calls:
+            if start <= t0 < end:
+                spent[name] += t1 - t0
+        return {k: round(v, 5) for k, v in spent.most_common()}
+
+    def device_within(self, start: float, end: float) -> dict[str, float]:
+        """Device seconds, per phase, from where a call's work began on its stream to where it
+        ended (waiting in the stream included), for the calls that began in [start, end)."""
+        spent: Counter[str] = Counter()
+        for name, t0, first, last in self.device_calls:
+            if start <= t0 < end:
+                last.synchronize()
+                spent[name] += first.elapsed_time(last) / 1e3
+        return {k: round(v, 5) for k, v in spent.most_common()}
+
+
+class StackSampler:
+    """Samples ``thread_id``'s innermost frames every ``interval_s`` while running."""
+
+    def __init__(self, thread_id: int | None = None, interval_s: float = 0.002) -> None:
+        self.thread_id = thread_id if thread_id is not None else threading.get_ident()
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, str]] = []
+        self.late: list[tuple[float, float]] = []  # (when, seconds past due): the GIL held elsewhere
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="siesta-stack-sampler", daemon=True)
+
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        due = time.perf_counter()
+        while not self._stop.is_set():
+            due += self.interval_s
+            delay = due - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            now = time.perf_counter()
+            if now - due > 5 * self.interval_s:
+                self.late.append((now, now - due))
+            due = max(due, now)
+            frame = sys._current_frames().get(self.thread_id)
+            if frame is not None:
+                self.samples.append((now, _describe(frame)))
+
+    def within(self, start: float, end: float, top: int = 8) -> list[tuple[str, int]]:
+        """The most frequent stacks sampled in [start, end), with their counts."""
+        return Counter(s for t, s in self.samples if start <= t < end).most_common(top)
+
+    def late_within(self, start: float, end: float) -> list[float]:
+        return [round(lag, 4) for t, lag in self.late if start <= t < end]
+
+
+def _stream_event():
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _describe(frame) -> str:
+    parts = []
+    while frame is not None and len(parts) < STACK_DEPTH:
+        code = frame.f_code
+        parts.append(f"{code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    return " < ".join(parts)
