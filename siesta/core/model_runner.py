@@ -19,7 +19,7 @@ from siesta.core.device_memory import ArenaMemory, SleepableMemory
 from siesta.core.piecewise_graphs import PiecewiseGraphs
 from siesta.core.sampler import Sampler, SampleResult, SamplingRow, make_generator
 from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
-from siesta.core.staging import to_device
+from siesta.core.staging import to_device_many
 from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
 from siesta.model.llama import CausalLM
 from siesta.model.loader import ModelSource
@@ -52,7 +52,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.backend = get_attention_backend(config.attention_backend, self.device)
         if self.device.type == "cuda":
-            staging.reserve()  # pinned now, not in a step while tier copies are in flight
+            staging.warm_up(self.device)  # pinned and compiled now, not in a step while tier copies run
         # Sleep on CUDA keeps addresses when weights and KV live in virtual-memory arenas.
         self.use_arenas = self.device.type == "cuda" and config.enable_sleep_mode and vmm_available()
         if self.device.type == "cuda" and config.enable_sleep_mode and not self.use_arenas:
@@ -282,28 +282,24 @@ class ModelRunner:
                 sampled.append(item)
         max_blocks = max(len(item.block_ids) for item in sched.scheduled)
         table = [item.block_ids + [0] * (max_blocks - len(item.block_ids)) for item in sched.scheduled]
-        dev = self.device
         pos = torch.tensor(positions, dtype=torch.int64)
         block_tables = torch.tensor(table, dtype=torch.int32)
         row_of_token = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(starts[1:]) - torch.tensor(starts[:-1]))
         slots = block_tables[row_of_token, pos // self.block_size].long() * self.block_size + pos % self.block_size
+        host = [torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), block_tables,
+                slots, torch.tensor(ids, dtype=torch.int64), pos, torch.tensor(logits_rows, dtype=torch.int64)]  # fmt: skip
+        starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d = to_device_many(host, self.device)
         meta = AttentionMetadata(
-            query_start_loc=to_device(torch.tensor(starts, dtype=torch.int32), dev),
-            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), dev),
-            block_tables=to_device(block_tables, dev),
-            slot_mapping=to_device(slots, dev),
+            query_start_loc=starts_d,
+            seq_lens=seq_lens_d,
+            block_tables=tables_d,
+            slot_mapping=slots_d,
             max_query_len=max(b - a for a, b in zip(starts, starts[1:])),
             max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
-        return StepInputs(
-            input_ids=to_device(torch.tensor(ids, dtype=torch.int64), dev),
-            positions=to_device(pos, dev),
-            meta=meta,
-            logits_rows=to_device(torch.tensor(logits_rows, dtype=torch.int64), dev),
-            sampled=sampled,
-        )
+        return StepInputs(input_ids=ids_d, positions=pos_d, meta=meta, logits_rows=rows_d, sampled=sampled)
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params

@@ -1,16 +1,17 @@
 """Small host<->device copies of a step (its inputs, its sampled tokens) through pinned memory.
 
-A pageable copy is staged by the driver and blocks the host while it does; a pinned
-one is an ordinary asynchronous copy, ordered on the compute stream only, and the
-sampled tokens' copy back waits for that stream alone, not for tier transfers on
-their own streams.
+The bytes are moved by a kernel that reads (or writes) the pinned buffer over the
+link itself, not by the copy engines. Tier transfers keep the copy engines busy
+with gigabytes, and a step's own small copy queued there can wait behind all of
+them: on the H200, resume replays had steps whose input copy landed 0.26-0.45 s
+late, when the tier's loads in flight had drained (``resume_trace`` in
+``siesta/bench/gpu.py``, device time per phase), and a 4 KiB copy back did not
+land within 0.1 s while stores streamed out (``step_io``). A kernel's loads and
+stores go over the link beside that traffic (H200: 25-100 us under load).
 
 The pinned memory is one ring allocated up front, not ``pin_memory()`` per copy: a
 copy of a size the caching host allocator has not seen yet calls ``cudaHostAlloc``,
-which takes a driver-wide lock (vLLM measured such calls stalling under load). On the
-H200, resume replays had steps that waited 0.3-0.5 s until the tier's loads in flight
-had landed; with the ring they became rarer but did not vanish, so this was at most
-one of their causes.
+which takes a driver-wide lock (vLLM measured such calls stalling under load).
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from __future__ import annotations
 from collections import deque
 
 import torch
+import triton
+import triton.language as tl
 
 RING_BYTES = 32 << 20  # a step of 256 requests at 2,048 blocks each stages ~2 MiB
 ALIGN = 64
+COPY_BLOCK = 1024  # words each program of the copy kernel moves
 
 
 class PinnedRing:
@@ -67,6 +71,12 @@ def reserve() -> PinnedRing:
     return _ring
 
 
+def warm_up(device: torch.device) -> None:
+    """Pin the ring and compile the copy kernel."""
+    reserve()
+    to_host_list(to_device(torch.zeros(1, dtype=torch.int32), device))
+
+
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return host
@@ -77,22 +87,72 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         return host.pin_memory().to(device, non_blocking=True)
     staged = ring.view(region, host)
     staged.copy_(host)
-    out = staged.to(device, non_blocking=True)
+    out = torch.empty(host.shape, dtype=host.dtype, device=device)
+    copy_words(staged, out)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))
     ring.release_after(region, done)
     return out
 
 
+def to_device_many(hosts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``to_device`` of each, staged side by side and moved by one kernel launch (a step's
+    inputs: a launch costs more host time than the bytes take to move)."""
+    if device.type == "cpu":
+        return hosts
+    hosts = [h.contiguous() for h in hosts]
+    offsets, total = [], 0
+    for h in hosts:
+        offsets.append(total)
+        total = -(-(total + h.numel() * h.element_size()) // ALIGN) * ALIGN
+    ring = reserve()
+    region = ring.take(total)
+    if region is None:
+        return [to_device(h, device) for h in hosts]
+    staged = ring.buffer[region[0] : region[1]]
+    for h, off in zip(hosts, offsets):
+        staged[off : off + h.numel() * h.element_size()].view(h.dtype).copy_(h.reshape(-1))
+    out = torch.empty(total, dtype=torch.uint8, device=device)
+    copy_words(staged, out)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    ring.release_after(region, done)
+    return [out[off : off + h.numel() * h.element_size()].view(h.dtype).view(h.shape) for h, off in zip(hosts, offsets)]
+
+
 def to_host_list(tensor: torch.Tensor) -> list:
     """``tensor.tolist()``, waiting only for the compute stream's work up to here."""
     if not tensor.is_cuda:
         return tensor.tolist()
+    tensor = tensor.contiguous()
     ring = reserve()
     region = ring.take(tensor.numel() * tensor.element_size())
-    host = (
-        torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if region is None else ring.view(region, tensor)
-    )
-    host.copy_(tensor, non_blocking=True)
+    if region is None:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+    else:
+        host = ring.view(region, tensor)
+        copy_words(tensor, host)
     torch.cuda.current_stream(tensor.device).synchronize()
     return host.tolist()  # the region is free again: the copy is done
+
+
+def copy_words(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy contiguous ``src`` into ``dst`` (same size in bytes) with a kernel; either side may
+    be pinned host memory, which the kernel reaches through its device address."""
+    nbytes = src.numel() * src.element_size()
+    if nbytes != dst.numel() * dst.element_size():
+        raise ValueError(f"copy of {nbytes} bytes into {dst.numel() * dst.element_size()}")
+    if nbytes == 0:
+        return
+    word = torch.int32 if nbytes % 4 == 0 else torch.uint8
+    src_words, dst_words = src.reshape(-1).view(word), dst.reshape(-1).view(word)
+    n = src_words.numel()
+    _copy_kernel[(triton.cdiv(n, COPY_BLOCK),)](src_words, dst_words, n, BLOCK=COPY_BLOCK)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)

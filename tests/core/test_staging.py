@@ -75,3 +75,40 @@ def test_staged_copies_round_trip_through_the_ring() -> None:
     values = [torch.arange(n, dtype=torch.int64) * 3 for n in (1, 7, 1000, 100_000)]
     on_device = [staging.to_device(v, device) for v in values]
     assert [staging.to_host_list(d) for d in on_device] == [v.tolist() for v in values]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.float64, torch.uint8])
+@pytest.mark.parametrize("n", [1, 5, 1023, 1025, 3001])
+def test_the_copy_kernel_moves_every_byte(dtype: torch.dtype, n: int) -> None:
+    # Bytes not a multiple of 4 (uint8 at odd n) take the byte-wide kernel, the rest the word-wide one.
+    src = (torch.arange(n, dtype=torch.int64) * 7919 % 251).to(dtype)
+    if torch.cuda.is_available():  # pinned host -> device -> pinned host, the kernel both ways
+        src = src.pin_memory()
+        on_device = torch.full_like(src, 13, device="cuda")
+        staging.copy_words(src, on_device)
+        back = torch.full_like(src, 17).pin_memory()
+        staging.copy_words(on_device, back)
+        torch.cuda.synchronize()
+        assert torch.equal(back, src)
+        return
+    dst = torch.full_like(src, 13)  # the interpreter: host memory on both sides
+    staging.copy_words(src, dst)
+    assert torch.equal(dst, src)
+
+
+def test_the_copy_kernel_refuses_a_size_mismatch_and_skips_empty_copies() -> None:
+    with pytest.raises(ValueError, match="copy of 16 bytes into 12"):
+        staging.copy_words(torch.zeros(4, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+    staging.copy_words(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a GPU")
+def test_a_step_s_inputs_travel_together_and_keep_their_dtypes_and_shapes() -> None:
+    device = torch.device("cuda")
+    hosts = [torch.arange(5, dtype=torch.int32), torch.arange(12, dtype=torch.int32).view(3, 4) * 7,
+             torch.arange(3, dtype=torch.int64) - 2**40, torch.zeros(0, dtype=torch.int64),
+             torch.tensor([0.5, -1.25], dtype=torch.float32)]  # fmt: skip
+    moved = staging.to_device_many(hosts, device)
+    assert [m.device.type for m in moved] == ["cuda"] * len(hosts)
+    for m, h in zip(moved, hosts):
+        assert m.dtype == h.dtype and m.shape == h.shape and torch.equal(m.cpu(), h)
