@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from siesta.attention.base import AttentionMetadata, KVCache, get_attention_backend
@@ -225,12 +226,20 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> dict[str, SampleResult]:
         if sched.is_empty:
             return {}
-        if sched.transfers:
-            # Stores first: they read blocks the previous forward filled, on their own stream.
-            self.connector.run_stores(sched.transfers, self.kv_cache)
-            self.connector.run_loads(sched.transfers, self.kv_cache)
+        transfers = sched.transfers
+        if transfers and self.device.type == "cuda":
+            # The copies wait for what is queued before this forward: it neither reads the
+            # blocks that loads overwrite nor writes the full ones stores read. So they are
+            # issued once it is launched, their host work done while the device runs it.
+            mark = torch.cuda.Event()
+            mark.record()
+            transfers.mark(mark)
         inputs = self._prepare(sched)
         hidden = self._forward(inputs)
+        if transfers:
+            # Stores first: they read blocks the previous forward filled, on their own stream.
+            self.connector.run_stores(transfers, self.kv_cache)
+            self.connector.run_loads(transfers, self.kv_cache)
         if not inputs.sampled:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
@@ -265,30 +274,33 @@ class ModelRunner:
                 graphs.capture()
 
     def _prepare(self, sched: SchedulerOutput) -> StepInputs:
+        items = sched.scheduled
         ids: list[int] = []
-        positions: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
         logits_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
-        for item in sched.scheduled:
+        # numpy, not nested lists through torch.tensor: 16 rows of 1,219 blocks take 0.3 ms, not 1.1.
+        table = np.zeros((len(items), max(len(item.block_ids) for item in items)), dtype=np.int32)
+        for row, item in enumerate(items):
             end = item.start + item.num_new_tokens
             ids.extend(item.request.all_token_ids[item.start : end])
-            positions.extend(range(item.start, end))
             starts.append(starts[-1] + item.num_new_tokens)
             seq_lens.append(end)
+            table[row, : len(item.block_ids)] = item.block_ids
             if item.sample:
                 logits_rows.append(starts[-1] - 1)
                 sampled.append(item)
-        max_blocks = max(len(item.block_ids) for item in sched.scheduled)
-        table = [item.block_ids + [0] * (max_blocks - len(item.block_ids)) for item in sched.scheduled]
-        pos = torch.tensor(positions, dtype=torch.int64)
-        block_tables = torch.tensor(table, dtype=torch.int32)
-        row_of_token = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(starts[1:]) - torch.tensor(starts[:-1]))
-        slots = block_tables[row_of_token, pos // self.block_size].long() * self.block_size + pos % self.block_size
-        host = [torch.tensor(starts, dtype=torch.int32), torch.tensor(seq_lens, dtype=torch.int32), block_tables,
-                slots, torch.tensor(ids, dtype=torch.int64), pos, torch.tensor(logits_rows, dtype=torch.int64)]  # fmt: skip
-        starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d = to_device_many(host, self.device)
+        q_lens = np.diff(starts)
+        row_of_token = np.repeat(np.arange(len(items)), q_lens)
+        # Each row's positions run from its first new token: seq_len - q_len onwards.
+        pos = np.arange(starts[-1], dtype=np.int64) - np.repeat(np.asarray(starts[:-1]) - (np.asarray(seq_lens) - q_lens), q_lens)
+        slots = table[row_of_token, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+        host = [np.asarray(starts, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), table, slots,
+                np.asarray(ids, dtype=np.int64), pos, np.asarray(logits_rows, dtype=np.int64)]  # fmt: skip
+        starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d = to_device_many(
+            [torch.from_numpy(h) for h in host], self.device
+        )
         meta = AttentionMetadata(
             query_start_loc=starts_d,
             seq_lens=seq_lens_d,

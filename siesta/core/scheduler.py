@@ -128,6 +128,8 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
+            if self.connector is not None and not self.connector.may_start_loads():
+                break
             request = self.waiting[0]
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size

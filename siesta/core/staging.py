@@ -24,7 +24,8 @@ import triton.language as tl
 
 RING_BYTES = 32 << 20  # a step of 256 requests at 2,048 blocks each stages ~2 MiB
 ALIGN = 64
-COPY_BLOCK = 1024  # words each program of the copy kernel moves
+COPY_BLOCK = 256  # words a program of the copy kernel moves: many small reads in flight over a busy link
+KERNEL_COPIES = True  # False: the copy engines move them (the bench's other arm)
 
 
 class PinnedRing:
@@ -88,7 +89,7 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     staged = ring.view(region, host)
     staged.copy_(host)
     out = torch.empty(host.shape, dtype=host.dtype, device=device)
-    copy_words(staged, out)
+    _move(staged, out)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))
     ring.release_after(region, done)
@@ -113,7 +114,7 @@ def to_device_many(hosts: list[torch.Tensor], device: torch.device) -> list[torc
     for h, off in zip(hosts, offsets):
         staged[off : off + h.numel() * h.element_size()].view(h.dtype).copy_(h.reshape(-1))
     out = torch.empty(total, dtype=torch.uint8, device=device)
-    copy_words(staged, out)
+    _move(staged, out)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))
     ring.release_after(region, done)
@@ -132,9 +133,16 @@ def to_host_list(tensor: torch.Tensor) -> list:
         host.copy_(tensor, non_blocking=True)
     else:
         host = ring.view(region, tensor)
-        copy_words(tensor, host)
+        _move(tensor, host)
     torch.cuda.current_stream(tensor.device).synchronize()
     return host.tolist()  # the region is free again: the copy is done
+
+
+def _move(src: torch.Tensor, dst: torch.Tensor) -> None:
+    if KERNEL_COPIES:
+        copy_words(src, dst)
+    else:
+        dst.copy_(src, non_blocking=True)
 
 
 def copy_words(src: torch.Tensor, dst: torch.Tensor) -> None:

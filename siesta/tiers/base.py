@@ -54,6 +54,15 @@ class StepTransfers:
     stores: list[Any] = field(default_factory=list)
     # A composite connector's children, each with its own share of the step.
     parts: list[tuple[KVConnector, StepTransfers]] = field(default_factory=list)
+    # The compute the copies wait for: the forwards that filled the stored blocks and the last
+    # ones that read the blocks loads overwrite. None: all queued when the copies are issued.
+    after: Any = None
+
+    def mark(self, event: Any) -> None:
+        """Set ``after`` here and in every child's share."""
+        self.after = event
+        for _, sub in self.parts:
+            sub.mark(event)
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.stores or any(sub for _, sub in self.parts))
@@ -90,6 +99,11 @@ class KVConnector(ABC):
     @abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_computed: int, num_external: int) -> None:
         """The request got device blocks; plan loading ``num_external`` tokens after ``num_computed``."""
+
+    def may_start_loads(self) -> bool:
+        """Whether the step being scheduled may start more loads (False once it has started
+        enough to keep the link busy: the rest wait a step, and the first copy starts sooner)."""
+        return True
 
     @abstractmethod
     def build_step(self, sched: SchedulerOutput) -> StepTransfers:

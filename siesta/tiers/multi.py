@@ -44,6 +44,9 @@ class MultiConnector(KVConnector):
             # Only the child that matched loads; the others learn the request got 0 tokens from them.
             child.update_state_after_alloc(request, block_ids, num_computed, num_external if child is loader else 0)
 
+    def may_start_loads(self) -> bool:
+        return all(c.may_start_loads() for c in self.children)
+
     def build_step(self, sched) -> StepTransfers:
         return StepTransfers(parts=[(c, c.build_step(sched)) for c in self.children])
 

@@ -414,3 +414,78 @@ def test_loads_go_out_a_window_at_a_time_and_the_request_waits_for_the_last():
         outputs.extend(o for o in llm.step() if o.finished)
     assert [blocks for _, blocks in held.loads] == [TIER_BLOCK // BLOCK] * pieces
     assert outputs[0].outputs[0].token_ids == ref[0]
+
+
+def test_a_step_starts_loads_up_to_the_window_and_the_rest_start_in_later_steps():
+    llm = engine()
+    entry_bytes = (TIER_BLOCK // BLOCK) * llm.engine.runner.kv_cache.block_bytes
+    llm = engine(offload(load_window_bytes=entry_bytes))  # any one request's hits fill the window
+    ps = prompts(3)
+    ref = generate(llm, ps)
+    llm.sleep(level=1, clear_connector_cache=False)
+    llm.wake_up()
+    connector = llm.engine.connector
+    started: list[list[str]] = []
+    build_step = connector.build_step
+
+    def spy(sched):
+        transfers = build_step(sched)
+        started.append([job.request_id for job in transfers.loads])
+        return transfers
+
+    connector.build_step = spy
+    ids = [llm.add_request({"prompt_token_ids": p}, GREEDY) for p in ps]
+    outputs = {}
+    while llm.engine.has_work():
+        outputs.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
+    assert [s for s in started if s][:3] == [[ids[0]], [ids[1]], [ids[2]]], "one request's loads a step, in order"
+    assert [outputs[i] for i in ids] == ref
+
+
+def test_a_step_s_copies_wait_for_the_compute_mark_it_carries():
+    # The runner marks the step's transfers before its forward and issues them after it, so
+    # the copies must wait for that mark, not for whatever is queued when they are issued.
+    llm = engine(offload())
+    connector, kv = llm.engine.connector, llm.engine.runner.kv_cache
+    seen: dict[str, list] = {"in": [], "out": []}
+    for feeder in (connector.loads, connector.stores):
+        submit = feeder.submit
+
+        def spy(job_id, parts, kv_cache, issue=True, after=None, submit=submit, direction=feeder.direction):
+            seen[direction].append(after)
+            return submit(job_id, parts, kv_cache, issue=issue, after=after)
+
+        feeder.submit = spy
+    ps = prompts(1)
+    rid = llm.add_request({"prompt_token_ids": ps[0]}, GREEDY)
+    sched = llm.engine.scheduler.schedule()  # the prefill fills full blocks: the next step stores them
+    llm.engine.scheduler.update(sched, llm.engine.runner.execute(sched), "0")
+    sched = llm.engine.scheduler.schedule()
+    assert sched.transfers.stores
+    mark = object()
+    sched.transfers.mark(mark)
+    connector.run_stores(sched.transfers, kv)
+    assert seen["out"] and all(after is mark for after in seen["out"])
+    llm.abort([rid])
+    connector.wait_for_stores(kv)
+
+    generate(llm, ps)
+    llm.sleep(level=1, clear_connector_cache=False)
+    llm.wake_up()
+    llm.add_request({"prompt_token_ids": ps[0]}, GREEDY)
+    sched = llm.engine.scheduler.schedule()
+    assert sched.transfers.loads
+    sched.transfers.mark(mark)
+    connector.run_loads(sched.transfers, kv)
+    assert seen["in"] and all(after is mark for after in seen["in"])
+
+
+def test_a_mark_reaches_every_child_share_of_a_composite_step():
+    from siesta.tiers.base import StepTransfers
+
+    first, second = StepTransfers(loads=["a"]), StepTransfers(stores=["b"], parts=[(None, StepTransfers())])
+    step = StepTransfers(parts=[(None, first), (None, second)])
+    mark = object()
+    step.mark(mark)
+    assert step.after is mark and first.after is mark and second.after is mark
+    assert second.parts[0][1].after is mark
