@@ -26,7 +26,7 @@ BF16_PEAK_FLOPS = 989e12  # datasheet dense bf16; the measured matmul ceiling is
 MEASURED_MATMUL_FLOPS = 774e12
 MIXED_REPS = 10
 MIXED_TOP_KERNELS = 8
-TRACE_SLOW_STEPS = 4
+TRACE_SLOW_STEPS = 3
 STEP_IO_REPS = 30
 STEP_IO_DEADLINE_S = 0.1
 
@@ -291,46 +291,52 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
-    """The kept-tier replay (mixed steps eager, where long waits showed most) with its phases
-    timed and the step loop's stack sampled: for the slowest steps, where the wall time went
-    (schedule, tier copies, prepare, forward, logits, sample, update, the feeder's lock) and
-    which lines the step loop was seen on. Late samples mean the GIL was held elsewhere."""
+    """The kept-tier replay with its phases timed on the host and on the compute stream and
+    the step loop's stack sampled, twice: step inputs and sampled tokens moved by the copy
+    kernel (the engine's way) and by the copy engines. Per arm: p50, the replay's seconds
+    per phase, and for its slowest steps the phases and the lines the loop was seen on."""
     from siesta.bench.probes import PhaseTimer, StackSampler
     from siesta.bench.resume_offline import _fire_all
+    from siesta.core import staging
 
     tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"block_size": args.tier_block_size, "cpu_bytes_to_use": args.tier_bytes}}  # fmt: skip
     llm = _llm(args, kv_transfer_config=tier, gpu_memory_utilization=0.9)
     eng, runner = llm.engine, llm.engine.runner
-    runner.piecewise = None
-    ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, eng.vocab_size, seed=300)
-    _fire_all(llm, ps, 8)
-    eng.connector.wait_for_stores(runner.kv_cache)
-    llm.sleep(level=1, clear_connector_cache=False)
-    llm.wake_up()
-    timer = PhaseTimer()
-    timer.wrap(eng, "step")
-    for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (eng.connector, "run_loads"),
-                        (eng.connector, "run_stores"), (eng.connector, "poll"), (eng.connector.loads, "landed"),
-                        (eng.connector.loads, "submit")):  # fmt: skip
-        timer.wrap(owner, attr)
-    for owner, attr in ((runner, "_prepare"), (runner, "_forward"), (runner.model, "compute_logits"), (runner, "sampler")):
-        timer.wrap(owner, attr, device=torch.cuda.is_available())
-    steps: list[tuple[float, int, int]] = []
-    with StackSampler() as sampler:
-        latencies = _fire_all(llm, ps, 8, steps)
-    timer.unwrap()
-    walls = [(t1 - t0, t0, t1) for name, t0, t1 in timer.calls if name == "step"]
-    slowest = sorted(walls, reverse=True)[:TRACE_SLOW_STEPS]
-    return {
-        "replay_p50_s": sorted(latencies)[len(latencies) // 2],
-        "replay_steps": steps,
-        "samples": len(sampler.samples),
-        "slowest_steps": [{"wall_s": round(w, 4), "phases_s": timer.within(t0, t1),
-                           "device_phases_s": timer.device_within(t0, t1) if timer.device_calls else {},
-                           "stacks": sampler.within(t0, t1), "late_samples_s": sampler.late_within(t0, t1)}
-                          for w, t0, t1 in slowest],
-    }  # fmt: skip
+    cuda = torch.cuda.is_available()
+    res: dict[str, Any] = {}
+    for seed, (arm, kernel) in enumerate((("kernel_copies", True), ("copy_engine", False))):
+        staging.KERNEL_COPIES = kernel
+        ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, eng.vocab_size, seed=300 + seed)
+        _fire_all(llm, ps, 8)
+        eng.connector.wait_for_stores(runner.kv_cache)
+        llm.sleep(level=1, clear_connector_cache=False)
+        llm.wake_up()
+        timer = PhaseTimer()
+        timer.wrap(eng, "step")
+        for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (eng.connector, "run_loads"),
+                            (eng.connector, "run_stores"), (eng.connector, "poll")):  # fmt: skip
+            timer.wrap(owner, attr)
+        for owner, attr in ((runner, "_prepare"), (runner, "_forward"), (runner.model, "compute_logits"), (runner, "sampler")):
+            timer.wrap(owner, attr, device=cuda)
+        steps: list[tuple[float, int, int]] = []
+        with StackSampler() as sampler:
+            latencies = _fire_all(llm, ps, 8, steps)
+        timer.unwrap()
+        walls = [(t1 - t0, t0, t1) for name, t0, t1 in timer.calls if name == "step"]
+        first, last = walls[0][1], walls[-1][2] + 1e-9
+        res[arm] = {
+            "replay_p50_s": sorted(latencies)[len(latencies) // 2],
+            "replay_steps": steps,
+            "host_phases_s": timer.within(first, last),
+            "device_phases_s": timer.device_within(first, last) if cuda else {},
+            "slowest_steps": [{"wall_s": round(w, 4), "phases_s": timer.within(t0, t1),
+                               "device_phases_s": timer.device_within(t0, t1) if cuda else {},
+                               "stacks": sampler.within(t0, t1, top=4), "late_samples_s": sampler.late_within(t0, t1)}
+                              for w, t0, t1 in sorted(walls, reverse=True)[:TRACE_SLOW_STEPS]],
+        }  # fmt: skip
+    staging.KERNEL_COPIES = True
+    return res
 
 
 def decode_trace(args: argparse.Namespace) -> dict[str, Any]:
@@ -509,16 +515,16 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
     entries = [top + e * run + i for e in torch.randperm(per_step // run, generator=gen).tolist() for i in range(run)]
     feeder = CopyFeeder(copier, "out", DEFAULT_STORE_WINDOW_BYTES, kv.block_bytes, threaded=False)
 
-    def fed(ids: list[int]) -> None:
-        after = feeder.compute_mark()
+    def fed(ids: list[int], after) -> None:
         for e in range(0, len(ids), run):
             feeder.submit(None, [(host[e : e + run], ids[e : e + run])], kv, issue=False, after=after)
         feeder.landed()  # issues them together, as the connector's poll does
 
+    scattered = (top + torch.randperm(per_step, generator=gen)).tolist()
     arms = {
-        "entries": lambda: copier.store(kv, entries, host),
-        "scattered": lambda ids=(top + torch.randperm(per_step, generator=gen)).tolist(): copier.store(kv, ids, host),
-        "entries_fed": lambda: fed(entries),
+        "entries": lambda after: copier.store_parts([(host, entries)], kv, after=after),
+        "scattered": lambda after: copier.store_parts([(host, scattered)], kv, after=after),
+        "entries_fed": lambda after: fed(entries, after),
     }
     out: dict[str, Any] = {"batch": batch, "plain_step_ms": plain_s * 1e3, "stored_bytes_per_step": per_step * kv.block_bytes,
                            "batched_issue": copier.batched, "store_window_bytes": DEFAULT_STORE_WINDOW_BYTES}  # fmt: skip
@@ -527,17 +533,22 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
         handles: list[Any] = []
         issue_s: list[float] = []
 
-        def execute(sched, issue=issue, handles=handles, issue_s=issue_s, plain=runner.execute):
+        # As the runner issues a step's copies: once its forward is launched, waiting for
+        # what was queued before it.
+        def forward(inputs, issue=issue, handles=handles, issue_s=issue_s, plain=runner._forward):
+            mark = torch.cuda.Event()
+            mark.record()
+            hidden = plain(inputs)
             t0 = time.perf_counter()
-            handles.append(issue())
+            handles.append(issue(mark))
             issue_s.append(time.perf_counter() - t0)
-            return plain(sched)
+            return hidden
 
-        runner.execute = execute
+        runner._forward = forward
         try:
             storing_s = _decode_step_s(llm, batch, args.decode_context, steps)
         finally:
-            del runner.execute  # back to the class's method
+            del runner._forward  # back to the class's method
         t0 = time.perf_counter()
         for h in handles:
             copier.wait(h)
