@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 STACK_DEPTH = 4  # innermost frames kept per sample
 
@@ -84,7 +84,7 @@ class StackSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="siesta-stack-sampler", daemon=True)
 
-    def __enter__(self) -> StackSampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

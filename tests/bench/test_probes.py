@@ -1,0 +1,48 @@
+"""The bench's probes: phase timing that restores what it wrapped, and a stack sampler that
+sees where a blocked thread is waiting."""
+
+from __future__ import annotations
+
+import time
+
+from siesta.bench.probes import PhaseTimer, StackSampler
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.helper = lambda x: x + 1  # an instance attribute, not a method
+
+    def work(self, seconds: float) -> str:
+        time.sleep(seconds)
+        return "done"
+
+
+def test_phases_are_timed_and_everything_wrapped_is_put_back() -> None:
+    worker, timer = Worker(), PhaseTimer()
+    helper = worker.helper
+    timer.wrap(worker, "work")
+    timer.wrap(worker, "helper", "plus_one")
+    t0 = time.perf_counter()
+    assert worker.work(0.02) == "done" and worker.helper(1) == 2
+    spent = timer.within(t0, time.perf_counter())
+    assert set(spent) == {"work", "plus_one"}
+    assert 0.02 <= spent["work"] < 1.0
+    assert timer.within(0.0, t0) == {}  # calls outside the window are not counted
+    timer.unwrap()
+    assert "work" not in vars(worker)  # the class's method again
+    assert worker.helper is helper
+
+
+def _blocked_here(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_the_sampler_sees_the_line_a_thread_waits_on() -> None:
+    with StackSampler(interval_s=0.002) as sampler:
+        t0 = time.perf_counter()
+        _blocked_here(0.1)
+        t1 = time.perf_counter()
+    stacks = sampler.within(t0, t1)
+    assert stacks, "no samples taken"
+    top, count = stacks[0]
+    assert "_blocked_here" in top.split(" < ")[0] and count >= 10
