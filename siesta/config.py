@@ -91,6 +91,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
+    # Schedule and launch step k+1 before reading step k's samples back (its inputs come from
+    # them on the device), so the host's work of a step overlaps the device's.
+    async_scheduling: bool = False
 
     def resolve(self, max_model_len: int) -> None:
         if self.max_num_batched_tokens is None:
@@ -175,6 +178,7 @@ class EngineConfig:
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 256,
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool = False,
         kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
         device: str | None = None,
         enforce_eager: bool = False,
@@ -194,6 +198,7 @@ class EngineConfig:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 enable_chunked_prefill=enable_chunked_prefill,
+                async_scheduling=async_scheduling,
             ),
             kv_transfer=KVTransferConfig.from_any(kv_transfer_config),
             device=device,

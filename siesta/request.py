@@ -40,6 +40,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens sampled on the device whose ids the host has not seen yet: with async scheduling
+    # the next step is scheduled (and computes them) before they are read back.
+    num_unseen: int = 0
     # Prefix-cache hits (device + tiers) at the request's first scheduling.
     num_cached_tokens: int = -1
     num_preemptions: int = 0

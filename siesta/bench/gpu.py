@@ -136,17 +136,18 @@ def _replay_s(llm, batch: int, reps: int = 50) -> float:
 
 def decode(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {}
-    for eager in (False, True):
-        llm = _llm(args, enforce_eager=eager, gpu_memory_utilization=0.85)
+    arms = {"graphs": {}, "graphs_async": {"async_scheduling": True}, "eager": {"enforce_eager": True}}
+    for arm, kw in arms.items():
+        llm = _llm(args, gpu_memory_utilization=0.85, **kw)
         shape = llm.engine.runner.model.shape
         weight_bytes = llm.engine.memory.weight_bytes
         kv_per_token = llm.engine.runner.kv_cache.block_bytes // llm.config.cache.block_size
         for b in args.decode_batches:
             dt = _decode_step_s(llm, b, args.decode_context, args.decode_steps)
             floor = (weight_bytes + b * args.decode_context * kv_per_token) / HBM_BYTES_PER_S
-            key = f"{'eager' if eager else 'graphs'}_batch{b}"
+            key = f"{arm}_batch{b}"
             res[key] = {"step_ms": dt * 1e3, "tok_s": b / dt, "roofline_ms": floor * 1e3, "of_roofline": floor / dt}
-            if not eager:
+            if arm != "eager":
                 # The graph alone, without the engine's host work around it (schedule, sample).
                 replay_s = _replay_s(llm, b)
                 res[key] |= {"graph_replay_ms": replay_s * 1e3, "graph_of_roofline": floor / replay_s}
@@ -206,7 +207,7 @@ def _timed_forwards(llm) -> tuple[list[float], list[tuple[float, float]]]:
     runner = llm.engine.runner
     times: list[float] = []
     parts: list[tuple[float, float]] = []
-    plain, forward = runner.execute, runner._forward
+    plain, forward = runner.launch, runner._forward
     spent = {"copies": 0.0, "forward": 0.0}
 
     def timed(fn, key):
@@ -225,17 +226,19 @@ def _timed_forwards(llm) -> tuple[list[float], list[tuple[float, float]]]:
         connector.run_stores = timed(connector.run_stores, "copies")
     runner._forward = timed(forward, "forward")
 
-    def execute(sched):
+    def launch(sched, prev=None):
         spent.update(copies=0.0, forward=0.0)
         t0 = time.perf_counter()
-        result = plain(sched)
-        if torch.cuda.is_available():  # the compute stream only: a device-wide sync would wait for tier loads
+        result = plain(sched, prev)
+        # The compute stream only: a device-wide sync would wait for tier loads. Not with async
+        # scheduling, whose point is not to wait here (its steps' times are then host times).
+        if torch.cuda.is_available() and not llm.config.scheduler.async_scheduling:
             torch.cuda.current_stream().synchronize()
         times.append(round(time.perf_counter() - t0, 4))
         parts.append((round(spent["copies"], 4), round(spent["forward"], 4)))
         return result
 
-    runner.execute = execute
+    runner.launch = launch
     return times, parts
 
 
@@ -255,19 +258,23 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
     runner = llm.engine.runner
     forwards, parts = _timed_forwards(llm)
     piecewise = runner.piecewise
-    # The third arm: the kept tier with steps that have prefill rows run eagerly.
-    for seed, (name, keep, pieces) in enumerate((("cleared", False, True), ("kept", True, True), ("kept_eager", True, False))):
+    # More arms of the kept tier: steps with prefill rows run eagerly, and async scheduling.
+    configs = (("cleared", False, True, False), ("kept", True, True, False), ("kept_eager", True, False, False),
+               ("kept_async", True, True, True))  # fmt: skip
+    for seed, (name, keep, pieces, run_ahead) in enumerate(configs):
         ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, vocab, seed=100 + seed)
         variants = _triton_variants()
         forwards.clear()
         parts.clear()
         runner.piecewise = piecewise if pieces else None
+        llm.config.scheduler.async_scheduling = run_ahead
         arms[name] = run_arm(llm, keep, ps, max_tokens=8)
         arms[name]["triton_variants_compiled"] = _triton_variants() - variants
         arms[name]["forward_s"] = list(forwards)  # warm-up's and replay's steps
         arms[name]["copies_forward_s"] = list(parts)
     runner.piecewise = piecewise
-    for name in ("execute", "_forward"):
+    llm.config.scheduler.async_scheduling = False
+    for name in ("launch", "_forward"):
         delattr(runner, name)
     if runner.connector is not None:
         for name in ("run_loads", "run_stores"):
@@ -282,7 +289,9 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         "cleared": arms["cleared"],
         "kept": arms["kept"],
         "kept_eager": arms["kept_eager"],
+        "kept_async": arms["kept_async"],
         "speedup_p50": arms["cleared"]["replay_p50_s"] / arms["kept"]["replay_p50_s"],
+        "speedup_p50_async": arms["cleared"]["replay_p50_s"] / arms["kept_async"]["replay_p50_s"],
         "speedup_p50_eager_mixed": arms["cleared"]["replay_p50_s"] / arms["kept_eager"]["replay_p50_s"],
         "kept_load_floor_s": load_bytes / LINK_BYTES_PER_S,
         "kv_blocks": runner.kv_cache.num_blocks,
@@ -298,6 +307,7 @@ def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
     from siesta.bench.probes import PhaseTimer, StackSampler
     from siesta.bench.resume_offline import _fire_all
     from siesta.core import staging
+    from siesta.core.model_runner import LaunchedStep
 
     tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"block_size": args.tier_block_size, "cpu_bytes_to_use": args.tier_bytes}}  # fmt: skip
@@ -317,7 +327,8 @@ def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
         for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (eng.connector, "run_loads"),
                             (eng.connector, "run_stores"), (eng.connector, "poll")):  # fmt: skip
             timer.wrap(owner, attr)
-        for owner, attr in ((runner, "_prepare"), (runner, "_forward"), (runner.model, "compute_logits"), (runner, "sampler")):
+        for owner, attr in ((runner, "_prepare"), (runner, "_forward"), (runner.model, "compute_logits"),
+                            (runner.sampler, "sample"), (LaunchedStep, "results")):  # fmt: skip
             timer.wrap(owner, attr, device=cuda)
         steps: list[tuple[float, int, int]] = []
         with StackSampler() as sampler:
@@ -340,26 +351,33 @@ def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def decode_trace(args: argparse.Namespace) -> dict[str, Any]:
-    """Where a batch-1 decode step's wall time goes on the host, per phase, next to the
-    graph's own replay time: the part of the step the device sits idle for."""
+    """Where a decode step's wall time goes on the host, per phase, next to the graph's own
+    replay time (the part of a synchronous step the device sits idle for), with and without
+    async scheduling."""
     from siesta.bench.probes import PhaseTimer
+    from siesta.core.model_runner import LaunchedStep
 
-    llm = _llm(args, gpu_memory_utilization=0.85)
-    eng, runner = llm.engine, llm.engine.runner
     res: dict[str, Any] = {}
-    for b in (1, 64):
-        timer = PhaseTimer()
-        timer.wrap(llm, "step", "llm_step")
-        timer.wrap(eng, "step")
-        for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (runner, "_prepare"),
-                            (runner, "_forward"), (runner.model, "compute_logits"), (runner, "sampler")):  # fmt: skip
-            timer.wrap(owner, attr)
-        step_s = _decode_step_s(llm, b, args.decode_context, args.decode_steps)
-        timer.unwrap()
-        steps = [c for c in timer.calls if c[0] == "llm_step"][-args.decode_steps :]
-        per_step = timer.within(steps[0][1], steps[-1][2] + 1e-9)
-        res[f"batch{b}"] = {"step_ms": step_s * 1e3, "graph_replay_ms": _replay_s(llm, b) * 1e3,
-                            "phases_ms": {k: round(v / len(steps) * 1e3, 3) for k, v in per_step.items()}}  # fmt: skip
+    for arm, run_ahead in (("sync", False), ("async", True)):
+        llm = _llm(args, gpu_memory_utilization=0.85, async_scheduling=run_ahead)
+        eng, runner = llm.engine, llm.engine.runner
+        for b in (1, 64):
+            timer = PhaseTimer()
+            timer.wrap(llm, "step", "llm_step")
+            timer.wrap(eng, "step")
+            for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (runner, "_prepare"),
+                                (runner, "_forward"), (runner.model, "compute_logits"), (runner.sampler, "sample"),
+                                (LaunchedStep, "results")):  # fmt: skip
+                timer.wrap(owner, attr)
+            step_s = _decode_step_s(llm, b, args.decode_context, args.decode_steps)
+            timer.unwrap()
+            steps = [c for c in timer.calls if c[0] == "llm_step"][-args.decode_steps :]
+            per_step = timer.within(steps[0][1], steps[-1][2] + 1e-9)
+            res[f"{arm}_batch{b}"] = {"step_ms": step_s * 1e3, "graph_replay_ms": _replay_s(llm, b) * 1e3,
+                                      "phases_ms": {k: round(v / len(steps) * 1e3, 3) for k, v in per_step.items()}}  # fmt: skip
+        del llm, eng, runner
+        gc.collect()
+        torch.cuda.empty_cache()
     return res
 
 
@@ -684,11 +702,14 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
     for b in (1, 16, 64, 256):
         rows.append([f"decode b{b} tok/s (graphs)", get("decode", f"graphs_batch{b}", "tok_s"),
                      f"{get('decode', f'graphs_batch{b}', 'of_roofline', default=0) or 0:.0%} of HBM roofline"])  # fmt: skip
+        rows.append([f"decode b{b} tok/s (graphs, async scheduling)", get("decode", f"graphs_async_batch{b}", "tok_s"),
+                     f"{get('decode', f'graphs_async_batch{b}', 'of_roofline', default=0) or 0:.0%} of HBM roofline"])  # fmt: skip
     for n in (2048, 8192):
         rows.append([f"prefill {n} tok/s", get("prefill", f"tokens{n}", "tok_s"),
                      f"MFU {get('prefill', f'tokens{n}', 'mfu', default=0) or 0:.0%}"])  # fmt: skip
     rows.append(["resume kept vs cleared (p50 speedup)", get("resume", "speedup_p50"),
-                 f"goal >= 15x; {get('resume', 'speedup_p50_eager_mixed', default=0) or 0:.1f}x with eager mixed steps"])
+                 f"goal >= 15x; {get('resume', 'speedup_p50_eager_mixed', default=0) or 0:.1f}x with eager mixed steps, "
+                 f"{get('resume', 'speedup_p50_async', default=0) or 0:.1f}x with async scheduling"])
     rows.append(["mixed step ms, eager / piecewise graphs", f"{get('mixed_step', 'extend_decode4', 'eager', 'wall_ms', default=0) or 0:.1f} / "
                  f"{get('mixed_step', 'extend_decode4', 'engine', 'wall_ms', default=0) or 0:.1f}", "44-token extend + 4 decodes"])  # fmt: skip
     rows.append(["tier store / load GB/s", f"{get('transfers', 'store_GB_s', default=0) or 0:.1f} / "

@@ -14,8 +14,8 @@ import msgspec
 
 from siesta.config import ConfigError, EngineConfig
 from siesta.core.device_memory import MemoryReport
-from siesta.core.model_runner import ModelRunner
-from siesta.core.scheduler import Scheduler
+from siesta.core.model_runner import LaunchedStep, ModelRunner
+from siesta.core.scheduler import Scheduler, SchedulerOutput
 from siesta.kv.hashing import ExtraKeys
 from siesta.kv.kv_manager import KVManager, cdiv
 from siesta.metrics import EngineStats, StatsSnapshot
@@ -84,6 +84,8 @@ class EngineCore:
         # What the last sleep and wake moved, part by part (sleep_weights, wake_kv_cache, ...).
         self.memory_reports: dict[str, MemoryReport] = {}
         self._pending: list[EngineCoreOutput] = []
+        # The step launched last whose samples the host has not read yet (async scheduling).
+        self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
         # Pause and sleep state. Requests that arrive while paused wait here until resume.
         self._held: list[EngineCoreRequest] = []
         self._pause_mode: str | None = None  # set while paused or pausing
@@ -186,7 +188,7 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether a step would do anything: outputs to hand out, requests it may schedule,
         tier transfers to finish."""
-        if self._pending or self._connector_busy():
+        if self._pending or self._inflight is not None or self._connector_busy():
             return True
         return self._scheduling_allowed() and self.scheduler.has_unfinished()
 
@@ -199,7 +201,9 @@ class EngineCore:
         outputs, self._pending = self._pending, []
         if self._scheduling_allowed():
             outputs.extend(self._run_one_step())
-        elif self._connector_busy():
+        else:
+            outputs.extend(self._finish_inflight())
+        if not self._scheduling_allowed() and self._connector_busy():
             self.connector.wait_for_stores(self.runner.kv_cache)
         if self._pause_mode == "wait" and not self._pause_done and not self.scheduler.has_unfinished():
             self._complete_pause()
@@ -213,7 +217,11 @@ class EngineCore:
 
     def _run_one_step(self) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if not self._may_run_ahead():
+            outputs.extend(self._finish_inflight())
         sched = self.scheduler.schedule()
+        if sched.is_empty:
+            outputs.extend(self._finish_inflight())  # nothing to overlap it with
         if sched.is_empty and sched.transfers:
             # Nothing to compute, but the last forward's blocks still go out and loads start.
             self.connector.run_stores(sched.transfers, self.runner.kv_cache)
@@ -221,16 +229,49 @@ class EngineCore:
         elif self.connector is not None and sched.is_empty:
             self.connector.wait_for_progress(IDLE_WAIT_S)
             self.connector.poll()
-        if not sched.is_empty:
-            try:
-                samples = self.runner.execute(sched)
-            except Exception as e:  # one bad step must not take the engine down
-                logger.exception("step failed; failing its %d requests", len(sched.scheduled))
-                ids = [item.request.request_id for item in sched.scheduled]
-                outputs.extend(self.scheduler.fail_requests(ids, f"{type(e).__name__}: {e}"))
-            else:
-                outputs.extend(self.scheduler.update(sched, samples, self.weight_version))
+        if sched.is_empty:
+            return outputs
+        prev = self._inflight
+        try:
+            launched = self.runner.launch(sched, prev[1] if prev is not None else None)
+        except Exception as e:  # one bad step must not take the engine down
+            outputs.extend(self._finish_inflight())
+            return outputs + self._fail_step(sched, e)
+        self.scheduler.mark_unseen(sched)
+        self._inflight = (sched, launched)
+        if prev is not None:  # read back while the device runs the step just launched
+            outputs.extend(self._finish_step(prev))
+        if not self.config.scheduler.async_scheduling:
+            outputs.extend(self._finish_inflight())
         return outputs
+
+    def _may_run_ahead(self) -> bool:
+        """Whether the next step may be scheduled before the last one's samples are read:
+        penalties need every token of a request's output on the host."""
+        return not any(r.sampling_params.has_penalties for r in self.scheduler.running)
+
+    def _finish_inflight(self) -> list[EngineCoreOutput]:
+        if self._inflight is None:
+            return []
+        step, self._inflight = self._inflight, None
+        return self._finish_step(step)
+
+    def _finish_step(self, step: tuple[SchedulerOutput, LaunchedStep]) -> list[EngineCoreOutput]:
+        sched, launched = step
+        try:
+            samples = launched.results()
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
+            return self._fail_step(sched, e)
+        return self.scheduler.update(sched, samples, self.weight_version)
+
+    def _fail_step(self, sched: SchedulerOutput, e: Exception) -> list[EngineCoreOutput]:
+        logger.error("step failed; failing its %d requests", len(sched.scheduled), exc_info=e)
+        ids = [item.request.request_id for item in sched.scheduled]
+        return self.scheduler.fail_requests(ids, f"{type(e).__name__}: {e}")
+
+    def _settle(self) -> None:
+        """Read back the step in flight before a control call changes what it depends on."""
+        self._pending.extend(self._finish_inflight())
 
     def drain_stats(self) -> StatsSnapshot:
         return self.stats.drain()
@@ -246,6 +287,7 @@ class EngineCore:
         Keeping the tiers is refused up front, with the engine untouched, by a connector that
         cannot keep them.
         """
+        self._settle()
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         self.check_connector_retention(clear_connector_cache)
@@ -301,6 +343,7 @@ class EngineCore:
         With ``mode="wait"`` the memory is released once in-flight requests finish; poll
         ``is_sleeping()``.
         """
+        self._settle()
         if level not in SLEEP_LEVELS:
             raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
         if mode not in PAUSE_MODES:
@@ -377,6 +420,7 @@ class EngineCore:
         The weight version advances unless the caller names one; naming the current version
         keeps every cached entry (the weights are declared unchanged). Returns the version.
         """
+        self._settle()
         if self.memory.weights_released:
             raise EngineStateError("the weights are released: wake_up(tags=['weights']) before update_weights")
         if isinstance(weights, str):
@@ -390,6 +434,7 @@ class EngineCore:
 
     def reload_weights(self) -> None:
         """Re-read the weights of the model source (after a level-2 sleep with no update)."""
+        self._settle()
         self.runner.load_weights(
             self.runner.model, self.source.iter_weights(self.runner.dtype, self.runner.device), complete=True
         )
@@ -397,6 +442,7 @@ class EngineCore:
 
     def finish_weight_update(self) -> None:
         """Evict what other weight versions computed, on the device and in every tier."""
+        self._settle()
         self.kv.reset_prefix_cache()
         if self.connector is not None:
             self.connector.evict_other_versions(self.weight_version)
@@ -426,6 +472,7 @@ class EngineCore:
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Drop the device prefix cache; with ``reset_running_requests`` running requests are
         preempted first (they recompute, or load from a tier, when scheduled again)."""
+        self._settle()
         if reset_running_requests:
             self.scheduler.preempt_all_running()
         self.kv.reset_prefix_cache()

@@ -18,7 +18,7 @@ from siesta.core import staging
 from siesta.core.cuda_graphs import DecodeGraphs
 from siesta.core.device_memory import ArenaMemory, SleepableMemory
 from siesta.core.piecewise_graphs import PiecewiseGraphs
-from siesta.core.sampler import Sampler, SampleResult, SamplingRow, make_generator
+from siesta.core.sampler import PendingSamples, Sampler, SampleResult, SamplingRow, make_generator
 from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.core.staging import to_device_many
 from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
@@ -42,6 +42,23 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # hidden-state rows whose logits are sampled
     sampled: list[ScheduledRequest]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device."""
+
+    sampled_ids: list[str]  # the requests of the sampled rows, in row order
+    samples: PendingSamples | None
+
+    def row_of(self, request_id: str) -> int:
+        return self.sampled_ids.index(request_id)
+
+    def results(self) -> dict[str, SampleResult]:
+        """Wait for this step's samples (and nothing queued after them)."""
+        if self.samples is None:
+            return {}
+        return dict(zip(self.sampled_ids, self.samples.results()))
 
 
 class ModelRunner:
@@ -222,10 +239,15 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> dict[str, SampleResult]:
+        return self.launch(sched).results()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's forward and sampling. A row whose input token ``prev`` sampled and
+        the host has not seen yet (the scheduler ran ahead of it) reads it on the device."""
         if sched.is_empty:
-            return {}
+            return LaunchedStep([], None)
         transfers = sched.transfers
         if transfers and self.device.type == "cuda":
             # The copies wait for what is queued before this forward: it neither reads the
@@ -234,18 +256,17 @@ class ModelRunner:
             mark = torch.cuda.Event()
             mark.record()
             transfers.mark(mark)
-        inputs = self._prepare(sched)
+        inputs = self._prepare(sched, prev)
         hidden = self._forward(inputs)
         if transfers:
             # Stores first: they read blocks the previous forward filled, on their own stream.
             self.connector.run_stores(transfers, self.kv_cache)
             self.connector.run_loads(transfers, self.kv_cache)
         if not inputs.sampled:
-            return {}
+            return LaunchedStep([], None)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         rows = [self._sampling_row(item.request) for item in inputs.sampled]
-        results = self.sampler(logits, rows)
-        return {item.request.request_id: r for item, r in zip(inputs.sampled, results)}
+        return LaunchedStep([item.request.request_id for item in inputs.sampled], self.sampler.sample(logits, rows))
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         meta = inputs.meta
@@ -273,9 +294,11 @@ class ModelRunner:
             if graphs is not None:
                 graphs.capture()
 
-    def _prepare(self, sched: SchedulerOutput) -> StepInputs:
+    def _prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         items = sched.scheduled
         ids: list[int] = []
+        unseen_at: list[int] = []  # token indices whose id is ``prev``'s sample, still on the device
+        unseen_rows: list[int] = []  # and the rows of ``prev`` that sampled them
         starts = [0]
         seq_lens: list[int] = []
         logits_rows: list[int] = []
@@ -284,7 +307,14 @@ class ModelRunner:
         table = np.zeros((len(items), max(len(item.block_ids) for item in items)), dtype=np.int32)
         for row, item in enumerate(items):
             end = item.start + item.num_new_tokens
-            ids.extend(item.request.all_token_ids[item.start : end])
+            known = item.request.all_token_ids[item.start : end]
+            ids.extend(known)
+            if len(known) < item.num_new_tokens:  # only the last can be unseen: one step ahead at most
+                if prev is None or len(known) + 1 != item.num_new_tokens:
+                    raise RuntimeError(f"request {item.request.request_id}: input tokens not sampled yet")
+                unseen_at.append(len(ids))
+                unseen_rows.append(prev.row_of(item.request.request_id))
+                ids.append(0)
             starts.append(starts[-1] + item.num_new_tokens)
             seq_lens.append(end)
             table[row, : len(item.block_ids)] = item.block_ids
@@ -297,10 +327,13 @@ class ModelRunner:
         pos = np.arange(starts[-1], dtype=np.int64) - np.repeat(np.asarray(starts[:-1]) - (np.asarray(seq_lens) - q_lens), q_lens)
         slots = table[row_of_token, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
         host = [np.asarray(starts, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), table, slots,
-                np.asarray(ids, dtype=np.int64), pos, np.asarray(logits_rows, dtype=np.int64)]  # fmt: skip
-        starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d = to_device_many(
+                np.asarray(ids, dtype=np.int64), pos, np.asarray(logits_rows, dtype=np.int64),
+                np.asarray(unseen_at, dtype=np.int64), np.asarray(unseen_rows, dtype=np.int64)]  # fmt: skip
+        starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d, at_d, from_d = to_device_many(
             [torch.from_numpy(h) for h in host], self.device
         )
+        if unseen_at:
+            ids_d[at_d] = prev.samples.tokens[from_d]
         meta = AttentionMetadata(
             query_start_loc=starts_d,
             seq_lens=seq_lens_d,
@@ -318,7 +351,7 @@ class ModelRunner:
         if params.seed is not None and request.generator is None:
             request.generator = make_generator(params.seed, self.device)
         banned: list[int] = []
-        if request.num_output_tokens < params.min_tokens:
+        if request.num_output_tokens + request.num_unseen < params.min_tokens:
             banned.extend(params.stop_token_ids or ())
             if not params.ignore_eos:
                 banned.extend(request.eos_token_ids)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from siesta.core.staging import to_device, to_host_list
+from siesta.core.staging import HostCopy, to_device
 from siesta.sampling import SamplingParams
 
 # Rows are picked with ``tensor[index]`` throughout: CPU index_select is ~20x slower on wide rows.
@@ -76,15 +76,18 @@ class Sampler:
             self._shared[device] = make_generator(self.seed, device)
         return self._shared[device]
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        return self.sample(logits, rows).results()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSamples:
+        """Launch the sampling; the tokens stay on the device until ``results`` is called."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         logits = logits.float().contiguous()
         raw = _RawLogprobs.compute(logits, rows)
         processed = apply_penalties(apply_bans(logits, rows), rows)
-        tokens = self._choose_tokens(processed, rows)
-        return _results(tokens, raw, rows)
+        return PendingSamples(self._choose_tokens(processed, rows), raw, rows)
 
     def _choose_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -296,33 +299,45 @@ class _RawLogprobs:
         return cls(wanted, index, selected.log_softmax(dim=-1))
 
 
-def _results(tokens: torch.Tensor, raw: _RawLogprobs | None, rows: list[SamplingRow]) -> list[SampleResult]:
-    if raw is None:
-        return [SampleResult(token_id=t) for t in to_host_list(tokens)]
-    top_n = max(rows[i].params.logprobs or 0 for i in raw.rows)
-    sampled = raw.logprobs.gather(1, tokens[raw.index].unsqueeze(1))
-    # Summing floats is ~2x faster than bools on CPU and exact below 2**24 tokens.
-    ranks = (raw.logprobs > sampled).float().sum(dim=-1) + 1
-    top_values, top_ids = raw.logprobs.topk(top_n, dim=-1)
-    token_list, sampled_list, rank_list, id_list, value_list = _to_host(tokens, sampled, ranks, top_ids, top_values)
-    results = [SampleResult(token_id=int(t)) for t in token_list]
-    for j, i in enumerate(raw.rows):
-        n = rows[i].params.logprobs or 0
-        top = slice(j * top_n, j * top_n + n)
-        results[i].logprob, results[i].rank = sampled_list[j], int(rank_list[j])
-        results[i].top_logprobs = [(int(t), v) for t, v in zip(id_list[top], value_list[top])]
-    return results
+class PendingSamples:
+    """A step's samples, launched: ``tokens`` on the device (a next step may read its inputs
+    from there) and their copy to the host under way; ``results`` waits for that copy alone."""
 
+    def __init__(self, tokens: torch.Tensor, raw: _RawLogprobs | None, rows: list[SamplingRow]) -> None:
+        self.tokens = tokens
+        self._rows = rows
+        self._raw = raw
+        self._top_n = 0
+        if raw is None:
+            self._copy = HostCopy(tokens)
+            return
+        self._top_n = max(rows[i].params.logprobs or 0 for i in raw.rows)
+        sampled = raw.logprobs.gather(1, tokens[raw.index].unsqueeze(1))
+        # Summing floats is ~2x faster than bools on CPU and exact below 2**24 tokens.
+        ranks = (raw.logprobs > sampled).float().sum(dim=-1) + 1
+        top_values, top_ids = raw.logprobs.topk(self._top_n, dim=-1)
+        # One copy for all of them: float64 holds token ids and ranks (< 2**53) and float32
+        # logprobs exactly.
+        parts = (tokens, sampled, ranks, top_ids, top_values)
+        self._sizes = [t.numel() for t in parts]
+        self._copy = HostCopy(torch.cat([t.reshape(-1).double() for t in parts]))
 
-def _to_host(*tensors: torch.Tensor) -> list[list[float]]:
-    """Several small tensors, flattened, in one transfer: one sync rather than one each.
-
-    float64 holds token ids and ranks (< 2**53) and float32 logprobs exactly.
-    """
-    sizes = [t.numel() for t in tensors]
-    flat = to_host_list(torch.cat([t.reshape(-1).double() for t in tensors]))
-    starts = [sum(sizes[:k]) for k in range(len(sizes))]
-    return [flat[start : start + size] for start, size in zip(starts, sizes)]
+    def results(self) -> list[SampleResult]:
+        if self._raw is None:
+            return [SampleResult(token_id=t) for t in self._copy.wait()]
+        flat = self._copy.wait()
+        starts = [sum(self._sizes[:k]) for k in range(len(self._sizes))]
+        token_list, sampled_list, rank_list, id_list, value_list = (
+            flat[start : start + size] for start, size in zip(starts, self._sizes)
+        )
+        results = [SampleResult(token_id=int(t)) for t in token_list]
+        top_n = self._top_n
+        for j, i in enumerate(self._raw.rows):
+            n = self._rows[i].params.logprobs or 0
+            top = slice(j * top_n, j * top_n + n)
+            results[i].logprob, results[i].rank = sampled_list[j], int(rank_list[j])
+            results[i].top_logprobs = [(int(t), v) for t, v in zip(id_list[top], value_list[top])]
+        return results
 
 
 # -- helpers ------------------------------------------------------------------------------

@@ -115,7 +115,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._ends_with_unseen(request):
+                i += 1
+                continue
+            num_new = min(request.num_tokens + request.num_unseen - request.num_computed_tokens, budget)
             while self.kv.allocate(request, request.num_computed_tokens + num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -131,6 +134,8 @@ class Scheduler:
             if self.connector is not None and not self.connector.may_start_loads():
                 break
             request = self.waiting[0]
+            if request.num_unseen:  # preempted a step ahead of its last sample: it recomputes once seen
+                break
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_external = self.connector.get_num_new_matched_tokens(request, num_cached) if self.connector else 0
@@ -205,9 +210,23 @@ class Scheduler:
                 start=start,
                 num_new_tokens=num_new,
                 block_ids=self.kv.block_ids(request.request_id),
-                sample=request.num_computed_tokens == request.num_tokens,
+                sample=request.num_computed_tokens == request.num_tokens + request.num_unseen,
             )
         )
+
+    def _ends_with_unseen(self, request: Request) -> bool:
+        """Whether the request's unseen sample is its last (by length): nothing more to compute."""
+        if not request.num_unseen:
+            return False
+        max_tokens = request.sampling_params.max_tokens
+        total = request.num_tokens + request.num_unseen
+        return total >= self.max_model_len or (max_tokens is not None and request.num_output_tokens + request.num_unseen >= max_tokens)
+
+    def mark_unseen(self, sched: SchedulerOutput) -> None:
+        """The step is launched: its samples exist on the device, not yet on the host."""
+        for item in sched.scheduled:
+            if item.sample:
+                item.request.num_unseen += 1
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.kv.free(request)
@@ -238,7 +257,11 @@ class Scheduler:
         for item in sched.scheduled:
             request = item.request
             sample = samples.get(request.request_id)
-            if sample is None or request.status != RequestStatus.RUNNING:
+            if sample is None:
+                continue
+            request.num_unseen = max(request.num_unseen - 1, 0)
+            # A request preempted in the step scheduled ahead of this one still takes its token.
+            if request.status not in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
                 continue
             request.append_output_token(sample.token_id)
             self.stats.inc("generation_tokens")

@@ -123,19 +123,48 @@ def to_device_many(hosts: list[torch.Tensor], device: torch.device) -> list[torc
 
 def to_host_list(tensor: torch.Tensor) -> list:
     """``tensor.tolist()``, waiting only for the compute stream's work up to here."""
-    if not tensor.is_cuda:
-        return tensor.tolist()
-    tensor = tensor.contiguous()
-    ring = reserve()
-    region = ring.take(tensor.numel() * tensor.element_size())
-    if region is None:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-    else:
-        host = ring.view(region, tensor)
-        _move(tensor, host)
-    torch.cuda.current_stream(tensor.device).synchronize()
-    return host.tolist()  # the region is free again: the copy is done
+    return HostCopy(tensor).wait()
+
+
+class HostCopy:
+    """A device tensor on its way to the host: ``wait`` returns it as a list, waiting for the
+    work queued before the copy and nothing queued after it (the next step's, say).
+
+    The ring region it lands in is held until it has been read: the copy stands in the
+    ring's list of copies in flight, done once read, and a lap that reaches the region
+    reads it first.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._values: list | None = None
+        if not tensor.is_cuda:
+            self._values = tensor.tolist()
+            return
+        tensor = tensor.contiguous()
+        ring = reserve()
+        self._region = ring.take(tensor.numel() * tensor.element_size())
+        if self._region is None:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+        else:
+            self._host = ring.view(self._region, tensor)
+            _move(tensor, self._host)
+            ring.release_after(self._region, self)
+        self._landed = torch.cuda.Event()
+        self._landed.record(torch.cuda.current_stream(tensor.device))
+
+    def wait(self) -> list:
+        if self._values is None:
+            self._landed.synchronize()
+            self._values = self._host.tolist()
+        return self._values
+
+    # The ring's view of it: a region in use until read.
+    def query(self) -> bool:
+        return self._values is not None
+
+    def synchronize(self) -> None:
+        self.wait()
 
 
 def _move(src: torch.Tensor, dst: torch.Tensor) -> None:

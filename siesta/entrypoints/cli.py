@@ -21,6 +21,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    p.add_argument("--async-scheduling", action="store_true", help="schedule a step ahead of reading samples back")
     p.add_argument("--kv-transfer-config", default=None, help="JSON, e.g. '{\"kv_connector\":\"OffloadingConnector\"}'")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -31,7 +32,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["model", "tokenizer", "dtype", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization",
             "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
-            "kv_transfer_config", "device", "seed", "enforce_eager", "attention_backend"]  # fmt: skip
+            "async_scheduling", "kv_transfer_config", "device", "seed", "enforce_eager", "attention_backend"]  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 

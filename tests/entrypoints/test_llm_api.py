@@ -156,3 +156,15 @@ def test_bad_engine_config():
         LLM("random:tiny-llama", block_size=12)
     with pytest.raises(ConfigError, match="max_model_len"):
         LLM("random:tiny-llama", max_model_len=10**7)
+
+
+def test_async_scheduling_is_an_engine_flag_of_the_cli_and_the_llm():
+    import argparse
+
+    from siesta.entrypoints.cli import _engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    _engine_args(parser)
+    assert engine_config(parser.parse_args(["--model", "random:tiny-llama", "--async-scheduling"])).scheduler.async_scheduling
+    assert not engine_config(parser.parse_args(["--model", "random:tiny-llama"])).scheduler.async_scheduling
+    assert LLM("random:tiny-llama", async_scheduling=True).config.scheduler.async_scheduling

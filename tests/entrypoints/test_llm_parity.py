@@ -74,3 +74,11 @@ def test_preemption_recomputes_exactly(prompts, reference):
     llm = LLM(dtype="float32", kv_cache_bytes=2200 * KV_BYTES_PER_TOKEN_FP32)
     assert generate(llm, prompts) == reference
     assert llm.get_metrics()["siesta_num_preemptions_total"] > 0
+
+
+def test_async_scheduling_matches_transformers(prompts, reference):
+    # Each step is scheduled and launched before the last one's samples are read back; the
+    # small cache preempts requests a step ahead of their last sample, too.
+    llm = LLM(dtype="float32", async_scheduling=True, kv_cache_bytes=2200 * KV_BYTES_PER_TOKEN_FP32)
+    assert generate(llm, prompts) == reference
+    assert llm.get_metrics()["siesta_num_preemptions_total"] > 0
