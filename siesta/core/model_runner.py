@@ -51,8 +51,8 @@ class LaunchedStep:
     sampled_ids: list[str]  # the requests of the sampled rows, in row order
     samples: PendingSamples | None
 
-    def row_of(self, request_id: str) -> int:
-        return self.sampled_ids.index(request_id)
+    def __post_init__(self) -> None:
+        self.row_of = {rid: row for row, rid in enumerate(self.sampled_ids)}
 
     def results(self) -> dict[str, SampleResult]:
         """Wait for this step's samples (and nothing queued after them)."""
@@ -313,7 +313,7 @@ class ModelRunner:
                 if prev is None or len(known) + 1 != item.num_new_tokens:
                     raise RuntimeError(f"request {item.request.request_id}: input tokens not sampled yet")
                 unseen_at.append(len(ids))
-                unseen_rows.append(prev.row_of(item.request.request_id))
+                unseen_rows.append(prev.row_of[item.request.request_id])
                 ids.append(0)
             starts.append(starts[-1] + item.num_new_tokens)
             seq_lens.append(end)

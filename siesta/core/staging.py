@@ -79,21 +79,7 @@ def warm_up(device: torch.device) -> None:
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return host
-    host = host.contiguous()
-    ring = reserve()
-    region = ring.take(host.numel() * host.element_size())
-    if region is None:  # larger than the ring: the caching host allocator's path
-        return host.pin_memory().to(device, non_blocking=True)
-    staged = ring.view(region, host)
-    staged.copy_(host)
-    out = torch.empty(host.shape, dtype=host.dtype, device=device)
-    _move(staged, out)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(device))
-    ring.release_after(region, done)
-    return out
+    return to_device_many([host], device)[0]
 
 
 def to_device_many(hosts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -108,8 +94,8 @@ def to_device_many(hosts: list[torch.Tensor], device: torch.device) -> list[torc
         total = -(-(total + h.numel() * h.element_size()) // ALIGN) * ALIGN
     ring = reserve()
     region = ring.take(total)
-    if region is None:
-        return [to_device(h, device) for h in hosts]
+    if region is None:  # larger than the ring: the caching host allocator's path
+        return [h.pin_memory().to(device, non_blocking=True) for h in hosts]
     staged = ring.buffer[region[0] : region[1]]
     for h, off in zip(hosts, offsets):
         staged[off : off + h.numel() * h.element_size()].view(h.dtype).copy_(h.reshape(-1))

@@ -112,3 +112,11 @@ def test_a_step_s_inputs_travel_together_and_keep_their_dtypes_and_shapes() -> N
     assert [m.device.type for m in moved] == ["cuda"] * len(hosts)
     for m, h in zip(moved, hosts):
         assert m.dtype == h.dtype and m.shape == h.shape and torch.equal(m.cpu(), h)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a GPU")
+def test_copies_back_keep_their_region_until_read_even_when_the_ring_laps(monkeypatch) -> None:
+    monkeypatch.setattr(staging, "_ring", PinnedRing(4 * 1024))  # four 1 KiB copies per lap
+    values = [torch.full((256,), i, dtype=torch.int32, device="cuda") for i in range(10)]
+    copies = [staging.HostCopy(v) for v in values]  # laps twice before any is read
+    assert [c.wait() for c in copies] == [[i] * 256 for i in range(10)]
