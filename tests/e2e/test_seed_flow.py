@@ -31,12 +31,16 @@ SEED_CLIENT = Path(__file__).with_name("seed_client.py")
 SEED_CLIENT_TIMEOUT_S = 600
 
 
+def _start_tier_server(*flags: str):
+    return start_server(
+        "--dev-mode", "--served-model-name", SERVED_NAME, "--kv-transfer-config", OFFLOAD_CONFIG,
+        "--kv-cache-bytes", str(SERVER_KV_CACHE_BYTES), "--max-model-len", "2048", *flags,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tier_server():
-    server = start_server(
-        "--dev-mode", "--served-model-name", SERVED_NAME, "--kv-transfer-config", OFFLOAD_CONFIG,
-        "--kv-cache-bytes", str(SERVER_KV_CACHE_BYTES), "--max-model-len", "2048",
-    )  # fmt: skip
+    server = _start_tier_server()
     yield server
     stop_server(server)
 
@@ -85,15 +89,29 @@ def arms(tier_server):
     return {"cleared": _arm(tier_server, keep=False), "kept": _arm(tier_server, keep=True)}
 
 
-def test_cleared_tier_gives_no_hits(arms):
-    cleared = arms["cleared"]
+@pytest.fixture(scope="module")
+def async_arms():
+    server = _start_tier_server("--async-scheduling")
+    try:
+        yield {"cleared": _arm(server, keep=False), "kept": _arm(server, keep=True)}
+    finally:
+        stop_server(server)
+
+
+@pytest.fixture(params=["sync", "async"])
+def both_arms(request, arms, async_arms):
+    return arms if request.param == "sync" else async_arms
+
+
+def test_cleared_tier_gives_no_hits(both_arms):
+    cleared = both_arms["cleared"]
     assert cleared["warm_stores"] > 0, cleared
     assert cleared["hits"] == 0 and cleared["loads"] == 0, cleared
     assert cleared["stores"] == cleared["warm_stores"], cleared  # everything recomputed, stored again
 
 
-def test_kept_tier_is_loaded_not_recomputed(arms):
-    kept = arms["kept"]
+def test_kept_tier_is_loaded_not_recomputed(both_arms):
+    kept = both_arms["kept"]
     assert kept["warm_stores"] > 0, kept
     assert kept["hits"] == kept["expected_hits"], kept  # every full block before each last token
     assert kept["loads"] == kept["warm_stores"], kept  # exactly what the warm-up stored

@@ -64,9 +64,10 @@ def full_blocks_before_last_token(ps: list[list[int]]) -> int:
 # -- seed parity -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("via", ["sleep", "pause"])
-def test_kept_tier_replay_loads_what_warmup_stored(via):
-    llm = engine(offload())
+def test_kept_tier_replay_loads_what_warmup_stored(via, async_scheduling):
+    llm = engine(offload(), async_scheduling=async_scheduling)
     ps = prompts()
     c0 = counters(llm)
     ref = generate(llm, ps)
