@@ -4,6 +4,8 @@ Random weights of the Llama-3-8B shape in bf16. Sections (each survives the othe
 correctness against transformers on the same weights; decode step time against the HBM
 roofline (CUDA graphs and eager); prefill tok/s and MFU; the seed's resume experiment at the
 seed's scale; tier transfer GB/s; sleep/wake seconds and memory. A table last, JSON to --json.
+Diagnostic sections, run by name: ``resume_trace`` and ``decode_trace`` (where a step's time
+goes, on the host and on the stream), ``step_io`` (a small copy beside tier copies).
 """
 
 from __future__ import annotations
@@ -685,6 +687,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "decode_trace": decode_trace,
     "step_io": step_io,
 }
+DIAGNOSTIC_SECTIONS = ("resume_trace", "decode_trace", "step_io")  # run by name only
 
 
 def summary(results: dict[str, Any]) -> list[list[Any]]:
@@ -729,7 +732,7 @@ def main() -> None:
     ap.add_argument("--device", default=None)
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in DIAGNOSTIC_SECTIONS))
     ap.add_argument("--check-prompt-len", type=int, default=512)
     ap.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])
     ap.add_argument("--decode-context", type=int, default=512)
