@@ -17,6 +17,9 @@ class KVManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks: dict[str, list[Block]] = {}
+        # Their ids, kept alongside: a step copies each running request's ids (a list copy in
+        # C, not a Python loop over blocks: ~0.4 ms a step at 64 requests of 120 blocks).
+        self._ids: dict[str, list[int]] = {}
         # How many of a request's leading blocks are already published under their keys.
         self._num_published: dict[str, int] = {}
 
@@ -60,10 +63,12 @@ class KVManager:
         if need > self.pool.num_free_blocks - reclaimed:
             return None
         blocks = self._blocks.setdefault(request.request_id, [])
+        ids = self._ids.setdefault(request.request_id, [])
         self.pool.touch(cached_prefix)
-        blocks.extend(cached_prefix)
         new_blocks = self.pool.allocate(need)
-        blocks.extend(new_blocks)
+        for taken in (cached_prefix, new_blocks):
+            blocks.extend(taken)
+            ids.extend(b.block_id for b in taken)
         if publish:
             self.publish(request, num_tokens_after)
         return new_blocks
@@ -82,11 +87,12 @@ class KVManager:
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
+        self._ids.pop(request.request_id, None)
         self._num_published.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        return list(self._ids.get(request_id, ()))
 
     def blocks(self, request_id: str) -> list[Block]:
         return self._blocks.get(request_id, [])

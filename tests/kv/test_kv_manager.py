@@ -66,3 +66,19 @@ def test_reclaiming_cached_free_blocks_counts_against_free_space():
     # 13 tokens need 4 blocks: 2 reused + 2 new, but only 1 block is free besides the reused ones.
     assert kv.allocate(b, 13, hits) is None
     assert kv.pool.num_free_blocks == 3
+
+
+def test_block_ids_follow_the_blocks_through_growth_hits_and_free():
+    kv = KVManager(16, BS, True)
+    a = make_request("a", list(range(12)))
+    kv.allocate(a, 5)
+    kv.allocate(a, 12)  # grows by a block
+    b = make_request("b", list(range(12)) + [7, 8])
+    kv.allocate(b, 14, kv.find_cached_prefix(b))  # two cached blocks, then new ones
+    for rid in ("a", "b"):
+        assert kv.block_ids(rid) == [blk.block_id for blk in kv.blocks(rid)]
+    ids = kv.block_ids("a")
+    ids.append(99)  # a copy: the caller may keep or change it
+    assert kv.block_ids("a") == [blk.block_id for blk in kv.blocks("a")]
+    kv.free(a)
+    assert kv.block_ids("a") == []
