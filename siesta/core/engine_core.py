@@ -222,14 +222,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             outputs.extend(self._finish_inflight())  # nothing to overlap it with
-        if sched.is_empty and sched.transfers:
-            # Nothing to compute, but the last forward's blocks still go out and loads start.
-            self.connector.run_stores(sched.transfers, self.runner.kv_cache)
-            self.connector.run_loads(sched.transfers, self.runner.kv_cache)
-        elif self.connector is not None and sched.is_empty:
-            self.connector.wait_for_progress(IDLE_WAIT_S)
-            self.connector.poll()
-        if sched.is_empty:
+            self._run_transfers_only(sched)
             return outputs
         prev = self._inflight
         try:
@@ -244,6 +237,16 @@ class EngineCore:
         if not self.config.scheduler.async_scheduling:
             outputs.extend(self._finish_inflight())
         return outputs
+
+    def _run_transfers_only(self, sched: SchedulerOutput) -> None:
+        """A step with nothing to compute: the last forward's blocks still go out and loads
+        start, or it waits a little for transfers in flight."""
+        if sched.transfers:
+            self.connector.run_stores(sched.transfers, self.runner.kv_cache)
+            self.connector.run_loads(sched.transfers, self.runner.kv_cache)
+        elif self.connector is not None:
+            self.connector.wait_for_progress(IDLE_WAIT_S)
+            self.connector.poll()
 
     def _may_run_ahead(self) -> bool:
         """Whether the next step may be scheduled before the last one's samples are read:

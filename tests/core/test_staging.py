@@ -120,3 +120,13 @@ def test_copies_back_keep_their_region_until_read_even_when_the_ring_laps(monkey
     values = [torch.full((256,), i, dtype=torch.int32, device="cuda") for i in range(10)]
     copies = [staging.HostCopy(v) for v in values]  # laps twice before any is read
     assert [c.wait() for c in copies] == [[i] * 256 for i in range(10)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a GPU")
+def test_step_copies_go_through_the_copy_kernel_not_the_copy_engines(monkeypatch) -> None:
+    calls = []
+    real = staging.copy_words
+    monkeypatch.setattr(staging, "copy_words", lambda src, dst: calls.append(src.device.type) or real(src, dst))
+    moved = staging.to_device_many([torch.arange(3), torch.arange(4, dtype=torch.int32)], torch.device("cuda"))
+    assert staging.to_host_list(moved[0]) == [0, 1, 2]
+    assert calls == ["cpu", "cuda"]  # one launch in (from pinned memory), one out
