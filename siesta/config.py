@@ -92,8 +92,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     # Schedule and launch step k+1 before reading step k's samples back (its inputs come from
-    # them on the device), so the host's work of a step overlaps the device's.
-    async_scheduling: bool = False
+    # them on the device), so the host's work of a step overlaps the device's. None: on where
+    # the device runs ahead of the host (CUDA), off on the CPU, whose ops finish as they return.
+    async_scheduling: bool | None = None
 
     def resolve(self, max_model_len: int) -> None:
         if self.max_num_batched_tokens is None:
@@ -178,7 +179,7 @@ class EngineConfig:
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 256,
         enable_chunked_prefill: bool = True,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
         kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
         device: str | None = None,
         enforce_eager: bool = False,
@@ -216,6 +217,8 @@ class EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate(max_model_len)
+        if self.scheduler.async_scheduling is None:
+            self.scheduler.async_scheduling = self.torch_device().type == "cuda"
         if self.kv_transfer is not None:
             self.kv_transfer.validate()
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -21,7 +21,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    p.add_argument("--async-scheduling", action="store_true", help="schedule a step ahead of reading samples back")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule a step ahead of reading samples back (default: on CUDA, off on the CPU)")
     p.add_argument("--kv-transfer-config", default=None, help="JSON, e.g. '{\"kv_connector\":\"OffloadingConnector\"}'")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)

@@ -36,7 +36,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 256,
         enable_chunked_prefill: bool = True,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
         kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
         device: str | None = None,
         enforce_eager: bool = False,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from siesta import LLM, SamplingParams
 from siesta.config import ConfigError
@@ -165,6 +166,24 @@ def test_async_scheduling_is_an_engine_flag_of_the_cli_and_the_llm():
 
     parser = argparse.ArgumentParser()
     _engine_args(parser)
-    assert engine_config(parser.parse_args(["--model", "random:tiny-llama", "--async-scheduling"])).scheduler.async_scheduling
-    assert not engine_config(parser.parse_args(["--model", "random:tiny-llama"])).scheduler.async_scheduling
+
+    def flag(*argv: str) -> bool | None:
+        config = engine_config(parser.parse_args(["--model", "random:tiny-llama", *argv]))
+        config.validate(max_model_len=64)
+        return config.scheduler.async_scheduling
+
+    assert flag("--async-scheduling") is True
+    assert flag("--no-async-scheduling") is False
     assert LLM("random:tiny-llama", async_scheduling=True).config.scheduler.async_scheduling
+
+
+def test_async_scheduling_defaults_on_where_the_device_runs_ahead_of_the_host():
+    from siesta.config import EngineConfig
+
+    for device, expected in (("cpu", False), ("cuda", True)):
+        config = EngineConfig.from_flags(model="random:tiny-llama", device=device)
+        assert config.scheduler.async_scheduling is None  # not chosen until the device is known
+        config.validate(max_model_len=64)
+        assert config.scheduler.async_scheduling is expected
+    on_cuda = torch.cuda.is_available()  # LLM's own default device
+    assert LLM("random:tiny-llama").config.scheduler.async_scheduling is on_cuda
