@@ -29,6 +29,7 @@ MEASURED_MATMUL_FLOPS = 774e12
 MIXED_REPS = 10
 MIXED_TOP_KERNELS = 8
 KERNELS_TOP = 16
+PROFILED_STEPS = 10
 TRACE_SLOW_STEPS = 3
 STEP_IO_REPS = 30
 STEP_IO_DEADLINE_S = 0.1
@@ -631,7 +632,36 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, Any]:
                 fn()
                 busy_ms, launches, top = _device_kernels(fn, top=KERNELS_TOP)
                 res[f"batch{b}"][name] = {"device_busy_ms": busy_ms, "launches": launches, "top_kernels": top}
+        res[f"batch{b}"]["engine_steps"] = _engine_step_kernels(llm, b, args.decode_context)
     return res
+
+
+def _engine_step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
+    """Per engine decode step (the defaults, in steady state): wall ms, device busy ms and
+    kernel launches, and the costliest kernels; everything the step runs, graph or not."""
+    from siesta import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=PROFILED_STEPS * 2 + 8, ignore_eos=True)
+    prompts = random_prompts(batch, context, context, llm.engine.vocab_size, 7)
+    ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    while any(r.num_output_tokens == 0 for r in llm.engine.scheduler.requests.values()):
+        llm.step()
+    for _ in range(3):
+        llm.step()
+
+    def steps() -> None:
+        for _ in range(PROFILED_STEPS):
+            llm.step()
+
+    _sync()
+    t0 = time.perf_counter()
+    steps()
+    _sync()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / PROFILED_STEPS
+    busy_ms, launches, top = _device_kernels(steps, top=KERNELS_TOP)
+    llm.abort(ids)
+    return {"wall_ms": wall_ms, "device_busy_ms": busy_ms / PROFILED_STEPS, "launches": launches / PROFILED_STEPS,
+            "top_kernels_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in top.items()}}  # fmt: skip
 
 
 def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
