@@ -1,0 +1,289 @@
+"""Skinny GEMM ("GEMV") in Triton for decode: ``y = x @ W.T (+ bias)`` with few rows in ``x``.
+
+At batch 1..8 a linear layer reads its whole weight to produce a handful of
+outputs, so it is bound by HBM bandwidth alone. cuBLAS picks tiles made for large
+M and leaves bandwidth unused on mid-sized matrices (split-K plus a separate
+reduce on a square 4096x4096, for instance); this kernel is shaped for the job:
+
+* ``x`` is ``[M, K]`` with ``M <= MAX_GEMV_ROWS``, ``W`` is ``[N, K]`` with K
+  contiguous (the layout ``nn.Linear`` stores). Each program owns ``block_n`` rows
+  of W (output columns) for every row of x and streams them once along K in
+  ``block_k`` chunks, so every weight byte is read once, in coalesced runs along K.
+  The x chunks it reads next to them are tiny and shared by all programs (L2 hits).
+* Products are accumulated in fp32 and rounded once to x's dtype at the end.
+* Two ways to reduce over K, picked by ``GemvConfig.tensor_cores``: products
+  accumulated elementwise in a ``[M, block_n, block_k]`` fp32 tile on the CUDA cores
+  and summed once after the loop (no padding, best for one row), or ``tl.dot`` with
+  the rows of x padded to ``DOT_MIN_ROWS`` (the tensor cores do the multiply-adds,
+  which wins from 2 rows on). Either way the loads are software-pipelined
+  ``num_stages`` deep through shared memory.
+* ``split_k > 1`` gives each output tile to ``split_k`` programs, each over a slice
+  of K, so that a matrix with few output tiles (N=4096) has more programs. They
+  write fp32 partial sums and a second small kernel adds them up in a fixed order
+  (deterministic, unlike atomics, and no buffer to zero first). On an H200 it lost
+  to deeper pipelining on every Llama-3-8B shape; it stays for other GPUs and shapes.
+
+Measured on an H200 (``python -m siesta.bench.gemv``, bf16, CUDA graphs, weights
+beyond L2), at M=1 with the default configs: qkv 1.06x and o_proj 1.11x faster than
+cuBLAS, down 1.05x, lm_head 1.02x, gate_up even; one Llama-3-8B decode step's GEMMs
+3.92 -> 3.79 ms. At M=2..8 the defaults are within 5% of cuBLAS: ahead on qkv,
+o_proj and lm_head, behind on down and (in most runs) gate_up.
+
+Launches never synchronise with the host and only allocate the output (and the
+fixed-size partial buffer), so they can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+# Most rows of x the kernel takes: beyond this a tiled GEMM (cuBLAS) reuses each
+# weight tile across enough rows to win.
+MAX_GEMV_ROWS = 8
+# tl.dot wants at least 16 rows on its left operand: x is padded up to this.
+DOT_MIN_ROWS = 16
+# Elements per program of the split-K reduce (fp32 in, x's dtype out).
+REDUCE_BLOCK = 1024
+REDUCE_NUM_WARPS = 4
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Tile shape and launch options of one ``gemv`` launch.
+
+    ``block_n``: rows of W (output columns) per program; ``block_k``: K chunk read per
+    loop step; ``split_k``: programs sharing one output tile along K (1: no split);
+    ``tensor_cores``: reduce with ``tl.dot`` (x padded to 16 rows) instead of ``tl.sum``.
+    """
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+    tensor_cores: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
+        if self.num_stages < 1 or self.split_k < 1:
+            raise ValueError(f"GemvConfig needs num_stages >= 1 and split_k >= 1, got {self}")
+        if self.tensor_cores and min(self.block_n, self.block_k) < DOT_MIN_ROWS:
+            raise ValueError(f"tensor_cores needs block_n and block_k >= {DOT_MIN_ROWS}, got {self}")
+
+
+# Defaults measured on an H200, bf16, Llama-3-8B decode shapes (N from 4096 to 128256).
+_ONE_ROW = GemvConfig(block_n=16, block_k=512, num_warps=4, num_stages=3)
+_FEW_ROWS = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=4, tensor_cores=True)
+# Matrices with at least this many outputs (gate_up, lm_head) ran faster one stage shallower.
+_WIDE_N = 16384
+_FEW_ROWS_WIDE = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3, tensor_cores=True)
+# They were tuned for 2-byte dtypes: wider elements get proportionally shorter K
+# chunks, so that the pipelined tiles still fit in shared memory.
+_TUNED_ELEMENT_SIZE = 2
+
+
+def default_config(m: int, n: int, k: int, element_size: int = _TUNED_ELEMENT_SIZE) -> GemvConfig:
+    """A good config for ``[m, k] @ [n, k].T``, picked from ``python -m siesta.bench.gemv`` on an H200.
+
+    One row: the tl.sum path, pipelined 3 deep, on small tiles (many programs, long
+    K chunks). More rows: tensor cores on 64-row tiles. Split-K won no Llama-3-8B
+    shape once the loads were pipelined, so it is only used when asked for.
+    """
+    if m <= 1:
+        config = _ONE_ROW
+    else:
+        config = _FEW_ROWS_WIDE if n >= _WIDE_N else _FEW_ROWS
+    if element_size <= _TUNED_ELEMENT_SIZE:
+        return config
+    return replace(config, block_k=max(DOT_MIN_ROWS, config.block_k * _TUNED_ELEMENT_SIZE // element_size))
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    K_PER_SPLIT,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    TENSOR_CORES: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """Program (n, s) computes ``out[s, :, n*BLOCK_N:(n+1)*BLOCK_N]`` over K slice s.
+
+    With SPLIT_K == 1 ``out`` is y itself (bias added, x's dtype); otherwise an fp32
+    ``[SPLIT_K, M, N]`` buffer of partial sums for ``_split_k_reduce_kernel``.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    # Out-of-range rows of W read real (repeated) rows instead of masked loads; their
+    # results are dropped by the masked store. Padding rows of x are masked instead:
+    # a masked row costs no memory traffic, and x is padded 16x for one row on tl.dot.
+    rows_w = (offs_n % N).to(tl.int64)
+    m_mask = offs_m < M
+    k_start = pid_k * K_PER_SPLIT
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+
+    if TENSOR_CORES:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        # Elementwise products are summed over K only after the loop: a reduction per
+        # chunk would cost shuffles (and shared memory across warps) on every step.
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # An explicit num_stages makes Triton pipeline the loads through shared memory on
+    # the tl.sum path too (it only does so by itself for loads that feed a tl.dot).
+    for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (offs_k + k0) < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if TENSOR_CORES:
+            # fp32 inputs must not be rounded to tf32: the result would be worse than cuBLAS's.
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if not TENSOR_CORES:
+        acc = tl.sum(acc3, axis=2)
+
+    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out_offs = pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows_w).to(tl.float32)[None, :]
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptr + out_offs, acc, mask=out_mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    partial_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``y = sum_s partial[s] (+ bias)``, summed in split order so results are reproducible."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(partial_ptr + s * M * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.shape[1] != weight.shape[1]:
+        raise ValueError(f"gemv: K mismatch, x is {tuple(x.shape)} and weight {tuple(weight.shape)}")
+    if x.shape[0] > MAX_GEMV_ROWS:
+        raise ValueError(f"gemv takes at most {MAX_GEMV_ROWS} rows, got {x.shape[0]}: use a GEMM")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("gemv needs x and weight contiguous along K (stride 1 in the last dimension)")
+    if x.dtype != weight.dtype or x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"gemv needs x and weight of one dtype among {SUPPORTED_DTYPES}, got {x.dtype}, {weight.dtype}"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"gemv: x is on {x.device} and weight on {weight.device}")
+    if bias is not None:
+        if bias.shape != (weight.shape[0],) or bias.stride(0) != 1:
+            raise ValueError(f"gemv needs a contiguous bias of shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        if bias.device != x.device:
+            raise ValueError(f"gemv: bias is on {bias.device} and x on {x.device}")
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+) -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight, bias)`` for ``x`` of 1..MAX_GEMV_ROWS rows.
+
+    ``x`` is ``[M, K]``, ``weight`` ``[N, K]`` (each contiguous along K, rows may be
+    strided), ``bias`` ``[N]`` or None. Returns a new contiguous ``[M, N]`` tensor of
+    x's dtype, accumulated in fp32.
+    """
+    _check_inputs(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if config is None:
+        config = default_config(m, n, k, x.element_size())
+    # Each split covers a whole number of K chunks; the last may run past K (masked).
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    even_k = k % (config.block_k * config.split_k) == 0
+    block_m = DOT_MIN_ROWS if config.tensor_cores else triton.next_power_of_2(m)
+    if config.split_k == 1:
+        target = out
+    else:
+        target = torch.empty((config.split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, config.block_n), config.split_k)
+    _gemv_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else x,  # never read without HAS_BIAS
+        target,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        k_per_split,
+        BLOCK_M=block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        EVEN_K=even_k,
+        HAS_BIAS=bias is not None,
+        SPLIT_K=config.split_k,
+        TENSOR_CORES=config.tensor_cores,
+        NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if config.split_k > 1:
+        _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
+            target,
+            bias if bias is not None else target,
+            out,
+            m,
+            n,
+            SPLIT_K=config.split_k,
+            HAS_BIAS=bias is not None,
+            BLOCK=REDUCE_BLOCK,
+            num_warps=REDUCE_NUM_WARPS,
+        )
+    return out
