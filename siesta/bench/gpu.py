@@ -101,17 +101,23 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
             "graphs": llm.engine.runner.graphs is not None}  # fmt: skip
 
 
-def _decode_step_s(llm, batch: int, context: int, steps: int) -> float:
+def _start_decoding(llm, batch: int, context: int, steps: int) -> list[str]:
+    """``batch`` greedy requests of ``context`` random tokens, prefilled and a few steps into
+    decoding, with room for ``steps`` more."""
     from siesta import SamplingParams
 
     vocab = llm.engine.vocab_size
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     ids = [llm.add_request({"prompt_token_ids": p}, params) for p in random_prompts(batch, context, context, vocab, 7)]
-    eng = llm.engine
-    while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
+    while any(r.num_output_tokens == 0 for r in llm.engine.scheduler.requests.values()):
         llm.step()
     for _ in range(3):
         llm.step()
+    return ids
+
+
+def _decode_step_s(llm, batch: int, context: int, steps: int) -> float:
+    ids = _start_decoding(llm, batch, context, steps)
     _sync()
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -639,15 +645,7 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, Any]:
 def _engine_step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
     """Per engine decode step (the defaults, in steady state): wall ms, device busy ms and
     kernel launches, and the costliest kernels; everything the step runs, graph or not."""
-    from siesta import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=PROFILED_STEPS * 2 + 8, ignore_eos=True)
-    prompts = random_prompts(batch, context, context, llm.engine.vocab_size, 7)
-    ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
-    while any(r.num_output_tokens == 0 for r in llm.engine.scheduler.requests.values()):
-        llm.step()
-    for _ in range(3):
-        llm.step()
+    ids = _start_decoding(llm, batch, context, PROFILED_STEPS * 2)  # timed, then profiled
 
     def steps() -> None:
         for _ in range(PROFILED_STEPS):

@@ -74,4 +74,3 @@ def argmax_rows(logits: torch.Tensor, use_kernels: bool | None = None) -> torch.
     )
     _pick_chunk_kernel[(rows,)](part_val, part_idx, out, num_chunks, vocab, BLOCK=MAX_CHUNKS, num_warps=1)
     return out
-
