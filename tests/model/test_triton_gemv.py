@@ -1,7 +1,7 @@
 """The Triton skinny GEMM (``gemv``) against ``torch.nn.functional.linear``.
 
-Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set
-before triton is imported), whose bf16 arithmetic is unreliable: fp32 and fp16 are
+Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before triton is imported), whose bf16 arithmetic is unreliable: fp32 and fp16 are
 tested there, bf16 only on CUDA (Llama-3-8B decode shapes).
 
 The kernel accumulates in fp32 in its own order (per K chunk, per split), so it
@@ -11,27 +11,14 @@ scale of the output, not bit-exact.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-
-triton = pytest.importorskip("triton")
-
-# @triton.jit reads TRITON_INTERPRET when a kernel is defined: modules imported
-# before the flag was set must be loaded again.
-for _name in ("siesta.model.triton_gemv",):
-    if _name in sys.modules:
-        importlib.reload(sys.modules[_name])
+import triton
 
 from siesta.model.triton_gemv import DOT_MIN_ROWS, MAX_GEMV_ROWS, GemvConfig, default_config, gemv
+
+ON_GPU = torch.cuda.is_available()  # without one, tests/conftest.py runs Triton in its interpreter
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # Max |error| over max |reference|: fp32 sums in another order differ by a few ulp of
