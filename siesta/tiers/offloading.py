@@ -135,7 +135,6 @@ class OffloadingConnector(KVConnector):
         # Scheduler-side bookkeeping.
         self._matched: dict[str, list[LoadPiece]] = {}  # looked up this schedule(), pinned, not yet allocated
         self._pending_loads: dict[str, LoadJob] = {}
-        self._pending_load_bytes = 0
         self._stored_upto: dict[str, int] = {}  # per request: tier entries already planned or skipped
         self._planned: list[StoreJob] = []
         self._store_keys: set[BlockHash] = set()  # planned or in flight
@@ -200,14 +199,13 @@ class OffloadingConnector(KVConnector):
             return
         for piece in pieces:
             piece.block_ids = block_ids[piece.request_first : piece.request_first + piece.count]
-        job = LoadJob(request.request_id, pieces)
-        self._pending_loads[request.request_id] = job
-        self._pending_load_bytes += job.num_blocks * self.ctx.block_bytes
+        self._pending_loads[request.request_id] = LoadJob(request.request_id, pieces)
 
     def may_start_loads(self) -> bool:
         # A step that looked up and allocated every waiting request before any copy began
         # kept the link idle: 16 requests of 19.5k tokens took ~70 ms on the H200.
-        return self._pending_load_bytes < self.cfg.load_window_bytes
+        pending_blocks = sum(job.num_blocks for job in self._pending_loads.values())
+        return pending_blocks * self.ctx.block_bytes < self.cfg.load_window_bytes
 
     def _release_match(self, request_id: str) -> None:
         for piece in self._matched.pop(request_id, []):
@@ -222,7 +220,7 @@ class OffloadingConnector(KVConnector):
         # preempted request's stores go with them (flushed); a load it got in this very
         # step, resuming, is its own job and is left alone.
         transfers = StepTransfers(stores=self._planned, loads=list(self._pending_loads.values()))
-        self._planned, self._pending_loads, self._pending_load_bytes = [], {}, 0
+        self._planned, self._pending_loads = [], {}
         for request_id in sched.preempted_req_ids | sched.finished_req_ids:
             self._stored_upto.pop(request_id, None)
         for item in sched.scheduled:
