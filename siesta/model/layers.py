@@ -125,6 +125,8 @@ _HALF_TYPES = (torch.float16, torch.bfloat16)
 
 
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+        return False  # the kernel's output has no backward
     return (
         x.dim() == 2
         and x.shape[0] <= GEMV_ROWS

@@ -206,4 +206,5 @@ def test_model_linear_takes_the_gemv_for_one_half_row(monkeypatch) -> None:
         out = layers.linear(x, w)
         assert _relative_error(out, F.linear(x.float(), w.float())) <= TOLERANCE[torch.bfloat16]
     layers.linear(_rand((1, 4096), torch.float32, seed=4), w.float())  # fp32 stays with cuBLAS
+    layers.linear(_rand((1, 4096), torch.bfloat16, seed=5), w.clone().requires_grad_())  # autograd too
     assert calls == [1]
