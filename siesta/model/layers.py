@@ -173,7 +173,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class MergedLinear(nn.Module):
     """One matmul for several projections of the same input (q/k/v, gate/up).
 
-    Checkpoints store the parts separately; ``load_shard`` writes each into its rows.
+    Checkpoints store the parts separately; ``shard_view`` is where each one's rows go.
     """
 
     def __init__(self, in_features: int, out_sizes: dict[str, int], bias: bool) -> None:
@@ -189,12 +189,10 @@ class MergedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def load_shard(self, shard: str, kind: str, tensor: torch.Tensor) -> None:
+    def shard_view(self, shard: str, kind: str) -> torch.Tensor:
+        """The rows of ``shard`` (q, k, v, gate, up) in the fused weight or bias."""
         start, size = self.offsets[shard]
         target = self.weight if kind == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a {shard} bias but this model has none")
-        part = target.data[start : start + size]
-        if part.shape != tensor.shape:
-            raise ValueError(f"{shard}.{kind}: checkpoint shape {tuple(tensor.shape)} != model {tuple(part.shape)}")
-        part.copy_(tensor)
+        return target.data[start : start + size]

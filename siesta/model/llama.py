@@ -21,6 +21,14 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
+class WeightTarget:
+    """The tensor a checkpoint tensor is copied into, and the name ``load_weights`` reports."""
+
+    key: str  # "param" or "param:shard" for the rows of a fused parameter
+    view: torch.Tensor
+
+
+@dataclass(frozen=True)
 class DecoderShape:
     """The numbers the engine needs from a transformers config."""
 
@@ -193,34 +201,49 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], written: set[str] | None = None) -> set[str]:
         """Copy checkpoint tensors (Hugging Face names) into the parameters in place.
 
         In place, so addresses stay put: CUDA graphs and sleep arenas keep pointing at them.
-        Returns the parameter names that were written.
+        Returns the parameter names that were written, collected into ``written`` as they are
+        (so a caller still knows them when a later tensor raises).
         """
-        params = dict(self.named_parameters(remove_duplicate=False))
-        written: set[str] = set()
+        written = set() if written is None else written
         for name, tensor in weights:
-            target = _map_checkpoint_name(name)
+            target = self.weight_target(name)
             if target is None:
                 continue
-            if target[0] == "lm_head.weight" and self.shape.tie_word_embeddings:
-                continue  # some tied checkpoints store the shared matrix twice
-            pname, shard, kind = target
-            if pname not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in this {self.shape.model_type} model")
+            if target.view.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.view.shape)}")
             with torch.no_grad():
-                if shard is None:
-                    param = params[pname]
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-                    param.data.copy_(tensor)
-                else:
-                    module = self.get_submodule(pname.rsplit(".", 1)[0])
-                    module.load_shard(shard, kind, tensor)
-            written.add(pname if shard is None else f"{pname}:{shard}")
+                target.view.copy_(tensor)
+            written.add(target.key)
         return written
+
+    def weight_target(self, name: str) -> WeightTarget | None:
+        """Where the checkpoint tensor ``name`` goes: a parameter, or the rows of a fused one.
+
+        Takes Hugging Face names (``...q_proj.weight``) and this model's fused names
+        (``...qkv_proj.weight``). None for tensors the model does not keep (rotary tables,
+        the head of a tied checkpoint); raises ValueError, naming it, for one it has no place for.
+        """
+        mapped = _map_checkpoint_name(name)
+        if mapped is None:
+            return None
+        pname, shard, kind = mapped
+        if pname == "lm_head.weight" and self.shape.tie_word_embeddings:
+            return None  # some tied checkpoints store the shared matrix twice
+        params = self._params()
+        if pname not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in this {self.shape.model_type} model")
+        if shard is None:
+            return WeightTarget(pname, params[pname].data)
+        module = self.get_submodule(pname.rsplit(".", 1)[0])
+        return WeightTarget(f"{pname}:{shard}", module.shard_view(shard, kind))
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        # Rebuilt on each call: to_empty and sleep may swap parameter objects.
+        return dict(self.named_parameters(remove_duplicate=False))
 
     def expected_weight_names(self) -> set[str]:
         """What a complete checkpoint writes, in ``load_weights``'s return format."""
