@@ -129,13 +129,7 @@ class KVTransferConfig:
         """Accept the dataclass, a dict (Python API) or a JSON string (CLI)."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"kv_transfer_config must be a dict or JSON object, got {type(value).__name__}")
+        value = _json_object("kv_transfer_config", value)
         unknown = set(value) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise ConfigError(f"kv_transfer_config has unknown keys: {sorted(unknown)}")
@@ -152,12 +146,74 @@ class KVTransferConfig:
             raise ConfigError("kv_connector_extra_config must be a dict")
 
 
+WEIGHT_TRANSFER_BACKENDS = ("nccl", "ipc")
+
+
+@dataclass
+class WeightTransferConfig:
+    """How a trainer process pushes weights into the engine (``siesta.weight_transfer``).
+
+    ``nccl``: a process group of the trainer (rank 0) and the engine (ranks from the init
+    info's ``rank_offset``): NCCL on GPUs, gloo on CPUs. ``ipc``: a trainer on the same
+    device hands over its tensors (CUDA IPC handles, or shared memory on the CPU).
+    """
+
+    backend: str = "nccl"
+    # Bucket size of packed transfers whose update_info names none. vLLM's default is 1 GiB;
+    # half of it keeps the receive buffer small beside a full KV cache and costs no speed.
+    packed_buffer_size_bytes: int = 512 << 20
+    packed_num_buffers: int = 2
+    # A trainer silent this long mid-transfer (or at the rendezvous) has failed: the update
+    # is refused, not waited on forever.
+    timeout_s: float = 120.0
+    # ipc: keep the trainer's CUDA buffers of the last update mapped, so a push of the same
+    # buffers opens nothing (siesta.weight_transfer.handles says what it holds on to).
+    ipc_keep_mappings: bool = True
+
+    @classmethod
+    def from_any(cls, value: WeightTransferConfig | dict[str, Any] | str | None) -> WeightTransferConfig:
+        if value is None:
+            return cls()
+        if isinstance(value, WeightTransferConfig):
+            return value
+        value = _json_object("weight_transfer_config", value)
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"weight_transfer_config has unknown keys: {sorted(unknown)}")
+        cfg = cls(**value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.backend not in WEIGHT_TRANSFER_BACKENDS:
+            raise ConfigError(f"weight transfer backend must be one of {', '.join(WEIGHT_TRANSFER_BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.packed_buffer_size_bytes, int) or self.packed_buffer_size_bytes <= 0:
+            raise ConfigError(f"packed_buffer_size_bytes must be a positive integer, got {self.packed_buffer_size_bytes!r}")
+        if not isinstance(self.packed_num_buffers, int) or self.packed_num_buffers <= 0:
+            raise ConfigError(f"packed_num_buffers must be a positive integer, got {self.packed_num_buffers!r}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"weight transfer timeout_s must be positive, got {self.timeout_s!r}")
+
+
+def _json_object(what: str, value: dict[str, Any] | str) -> dict[str, Any]:
+    """A dict (Python API) or a JSON object string (CLI)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what} must be a dict or JSON object, got {type(value).__name__}")
+    return value
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig | None = None
+    weight_transfer: WeightTransferConfig = field(default_factory=WeightTransferConfig)
     device: str | None = None  # None: cuda when available, else cpu
     enable_sleep_mode: bool = True
     # CUDA graphs for decode; ignored on CPU.
@@ -181,6 +237,7 @@ class EngineConfig:
         enable_chunked_prefill: bool = True,
         async_scheduling: bool | None = None,
         kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
+        weight_transfer_config: WeightTransferConfig | dict[str, Any] | str | None = None,
         device: str | None = None,
         enforce_eager: bool = False,
         attention_backend: str = "auto",
@@ -202,6 +259,7 @@ class EngineConfig:
                 async_scheduling=async_scheduling,
             ),
             kv_transfer=KVTransferConfig.from_any(kv_transfer_config),
+            weight_transfer=WeightTransferConfig.from_any(weight_transfer_config),
             device=device,
             enforce_eager=enforce_eager,
             attention_backend=attention_backend,
@@ -221,5 +279,6 @@ class EngineConfig:
             self.scheduler.async_scheduling = self.torch_device().type == "cuda"
         if self.kv_transfer is not None:
             self.kv_transfer.validate()
+        self.weight_transfer.validate()
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

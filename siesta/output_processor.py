@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from siesta.metrics import MetricsRegistry
-from siesta.request import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from siesta.request import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput, WeightVersionSpan
 from siesta.sampling import SamplingParams
 from siesta.tokenizer import IncrementalDetokenizer, find_stop
 
@@ -29,6 +29,7 @@ class RequestState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     weight_version: str = "0"
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     error: str | None = None
     last_token_time: float | None = None
     last_delta_chars: int = 0  # text added by the latest tokens, where a stop string may end
@@ -85,6 +86,8 @@ class OutputProcessor:
             else:
                 self.metrics.observe("inter_token_latency_seconds", now - state.last_token_time)
             state.last_token_time = now
+        if out.new_token_ids:
+            self._extend_spans(state, out.weight_version, len(out.new_token_ids))
         state.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and state.logprobs is not None:
             for lp in out.new_logprobs:
@@ -96,6 +99,15 @@ class OutputProcessor:
             state.last_delta_chars = len(delta)
         if out.finish_reason is not None:
             state.finish_reason, state.stop_reason, state.error = out.finish_reason, out.stop_reason, out.error
+
+    @staticmethod
+    def _extend_spans(state: RequestState, version: str, count: int) -> None:
+        start = len(state.token_ids)
+        spans = state.weight_versions
+        if spans and spans[-1].weight_version == version and spans[-1].end == start:
+            spans[-1].end += count
+        else:
+            spans.append(WeightVersionSpan(version, start, start + count))
 
     def _check_stop_strings(self, state: RequestState) -> bool:
         params = state.params
@@ -145,6 +157,7 @@ class OutputProcessor:
             logprobs=logprobs,
             finish_reason=state.finish_reason,
             stop_reason=state.stop_reason,
+            weight_versions=[WeightVersionSpan(s.weight_version, s.start, s.end) for s in state.weight_versions],
         )
 
     @staticmethod

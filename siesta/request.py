@@ -106,6 +106,14 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class WeightVersionSpan(msgspec.Struct):
+    """Output tokens [start, end) were sampled under ``weight_version``."""
+
+    weight_version: str
+    start: int
+    end: int
+
+
 class CompletionOutput(msgspec.Struct):
     """vLLM-shaped: one sampled continuation of a prompt."""
 
@@ -116,6 +124,8 @@ class CompletionOutput(msgspec.Struct):
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Which weights sampled which tokens: one span unless a weight update landed mid-request.
+    weight_versions: list[WeightVersionSpan] = []
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
+import torch
 
 from siesta.config import ConfigError, EngineConfig
 from siesta.core.device_memory import MemoryReport
@@ -24,6 +27,9 @@ from siesta.request import EngineCoreOutput, Request
 from siesta.sampling import SamplingParams
 from siesta.tiers.base import ConnectorContext, KVConnector
 from siesta.tiers.factory import create_connector
+from siesta.weight_transfer.state import REPAIR
+from siesta.weight_transfer.updater import UpdateFailed, WeightUpdater
+from siesta.weight_transfer.wire import WeightTransferError
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +65,16 @@ WAKE_TAGS = ("weights", "kv_cache")
 IDLE_WAIT_S = 0.005  # longest an idle step blocks on tier transfers before looking again
 
 
+def _update_info(weights: Any) -> Any:
+    """The update_info of a weight-transfer call (``{"update_info": ...}`` or the bare dict), else None."""
+    if isinstance(weights, Mapping) and not isinstance(next(iter(weights.values()), None), torch.Tensor):
+        if set(weights) == {"update_info"}:
+            return weights["update_info"]
+        if "names" in weights:
+            return weights
+    return None
+
+
 def next_weight_version(current: str) -> str:
     """The version after ``current``: integers count up, anything else gets a suffix."""
     return str(int(current) + 1) if current.isdigit() else f"{current}+1"
@@ -92,7 +108,9 @@ class EngineCore:
         self._pause_done = False
         self._pause_resets: tuple[bool, bool] = (False, False)  # (prefix cache, connector) to clear once paused
         self._sleep_level: int | None = None
-        self._weights_valid = True
+        self.updater = WeightUpdater(config.weight_transfer, self.runner.model, self.runner.device)
+        # Whole weights of one version, or why not; an open weight update holds every step.
+        self.weights = self.updater.state
         self._record_weight_version()
 
     def _make_connector(self) -> KVConnector | None:
@@ -124,6 +142,8 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Validate and queue; raises RequestRejected (naming the problem) and changes nothing on failure."""
+        if self.weights.torn:
+            raise RequestRejected(f"the engine cannot generate: {self.weights.describe()}; {REPAIR}")
         self._validate(req)
         if self._pause_mode is not None:
             self._held.append(req)
@@ -190,6 +210,7 @@ class EngineCore:
         tier transfers to finish."""
         if self._pending or self._inflight is not None or self._connector_busy():
             return True
+        self.updater.expire()  # a trainer gone between its calls must not hold the engine for ever
         return self._scheduling_allowed() and self.scheduler.has_unfinished()
 
     # -- the step loop -----------------------------------------------------------------
@@ -210,7 +231,10 @@ class EngineCore:
         return EngineCoreOutputs(outputs=outputs, stats=self.stats.drain())
 
     def _scheduling_allowed(self) -> bool:
-        # Awake and unpaused, or draining in-flight requests for a pause (or sleep) in "wait" mode.
+        # Awake and unpaused, or draining in-flight requests for a pause (or sleep) in "wait" mode;
+        # never while a weight update is open or the weights are not whole.
+        if self.weights.blocks_generation:
+            return False
         if self._pause_mode is None:
             return True
         return self._pause_mode == "wait" and not self._pause_done
@@ -376,7 +400,7 @@ class EngineCore:
             self.memory_reports["sleep_weights"] = self.memory.release_weights(backup=level == 1)
             released = self.memory_reports["sleep_kv_cache"].bytes + self.memory_reports["sleep_weights"].bytes
             if level == 2:
-                self._weights_valid = False
+                self.weights.released()
         self.stats.inc("sleeps", level=str(level))
         self.stats.inc("sleep_seconds", time.perf_counter() - t0)
         self.stats.set("device_bytes_released", released)
@@ -407,8 +431,10 @@ class EngineCore:
         self.stats.inc("wake_seconds", time.perf_counter() - t0)
         if self.memory.weights_released or self.memory.kv_released:
             return  # a staged wake: the rest comes with a later call
-        if not self._weights_valid:
-            self.reload_weights()
+        if self.weights.only_released:
+            self.reload_weights()  # nothing was written since the level-2 sleep: the source's weights
+        if not self.weights.whole:
+            raise EngineStateError(f"the engine stays asleep: {self.weights.describe()}; {REPAIR}, then wake_up()")
         if not self.memory.keeps_addresses:
             self.runner.recapture_graphs()  # after the weights are back: capture runs the model
         self._sleep_level = None
@@ -416,24 +442,92 @@ class EngineCore:
         self.resume()
 
     # -- weights ---------------------------------------------------------------------
+    #
+    # Two ways in. A trainer in another process pushes through the weight-transfer API
+    # (init_weight_transfer_engine once; then start_weight_update, update_weights(update_info)
+    # as often as needed, finish_weight_update): nothing steps while an update is open, and
+    # the version advances at the finish. In-process callers and checkpoints pass tensors or
+    # a path to update_weights, which advances the version at once when no update is open.
 
-    def update_weights(self, weights, weight_version: str | None = None) -> str:
-        """Load new weights in place: (name, tensor) pairs with Hugging Face names, or a model path.
+    def init_weight_transfer_engine(self, init_info: Any) -> None:
+        """Set up the configured backend (nccl: join the trainer's group; ipc: nothing to do)."""
+        self._settle()
+        self.updater.init_engine(init_info)
 
-        The weight version advances unless the caller names one; naming the current version
-        keeps every cached entry (the weights are declared unchanged). Returns the version.
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        """Open an update: no step runs until ``finish_weight_update``. Both checkpoint (Hugging
+        Face) names and this engine's fused names are taken whatever ``is_checkpoint_format`` says."""
+        self._settle()
+        if self.memory.weights_released:
+            raise EngineStateError("the weights are released: wake_up(tags=['weights']) before a weight update")
+        self.updater.start()
+
+    def update_weights(self, weights: Any, weight_version: str | None = None) -> str:
+        """Write new weights in place; returns the weight version.
+
+        ``weights``: an update_info (``{"update_info": {...}}`` or the bare dict) received
+        through the backend; (name, tensor) pairs or a state dict with Hugging Face names; or
+        a model path. Outside an open update, tensors and paths advance the version at once
+        (unless the caller names one; naming the current version keeps every cached entry).
         """
         self._settle()
         if self.memory.weights_released:
             raise EngineStateError("the weights are released: wake_up(tags=['weights']) before update_weights")
+        info = _update_info(weights)
+        if info is not None:
+            opened = self.updater.start()  # vLLM lets update_weights open the update itself
+            try:
+                self._receive(info)
+            except (WeightTransferError, UpdateFailed):
+                if opened and not self.weights.written:
+                    self.weights.close()  # nothing written: as if never called
+                raise
+            return self.weight_version
+        implicit = not self.weights.open
         if isinstance(weights, str):
             weights = resolve_model(weights).iter_weights(self.runner.dtype, self.runner.device)
-        self.runner.load_weights(self.runner.model, weights)
-        self._weights_valid = True
-        version = next_weight_version(self.weight_version) if weight_version is None else str(weight_version)
-        self._set_weight_version(version)
-        self.stats.inc("weight_updates")
-        return version
+        self.updater.write(weights)
+        if implicit:
+            version = next_weight_version(self.weight_version) if weight_version is None else str(weight_version)
+            self._set_weight_version(version)
+            self.stats.inc("weight_updates")
+        return self.weight_version
+
+    def _receive(self, update_info: Any) -> None:
+        t0 = time.perf_counter()
+        backend = self.updater.backend
+        try:
+            nbytes = self.updater.receive(update_info)
+        except UpdateFailed:
+            self.stats.inc("weight_transfer_failures", backend=backend)
+            raise
+        self.stats.inc("weight_transfer_seconds", time.perf_counter() - t0, backend=backend)
+        self.stats.inc("weight_transfer_bytes", nbytes, backend=backend)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> str:
+        """Close the update and publish its version (the next one unless named); evict what
+        other versions computed, on the device and in every tier. Refused, with nothing
+        changed, while the weights are not whole."""
+        self._settle()
+        if not self.weights.whole:
+            raise EngineStateError(f"the weight update cannot finish: {self.weights.describe()}; {REPAIR}")
+        if self.weights.open:
+            changed = bool(self.weights.written)
+            self.weights.close()
+            if changed or weight_version is not None:
+                version = next_weight_version(self.weight_version) if weight_version is None else str(weight_version)
+                self._set_weight_version(version)
+                self.stats.inc("weight_updates")
+        elif weight_version is not None:
+            self._set_weight_version(str(weight_version))
+        self.kv.reset_prefix_cache()
+        if self.connector is not None:
+            self.connector.evict_other_versions(self.weight_version)
+        return self.weight_version
+
+    def get_world_size(self) -> int:
+        """Engine ranks in a weight-transfer group (the tensor-parallel size)."""
+        return 1
 
     def reload_weights(self) -> None:
         """Re-read the weights of the model source (after a level-2 sleep with no update)."""
@@ -441,14 +535,7 @@ class EngineCore:
         self.runner.load_weights(
             self.runner.model, self.source.iter_weights(self.runner.dtype, self.runner.device), complete=True
         )
-        self._weights_valid = True
-
-    def finish_weight_update(self) -> None:
-        """Evict what other weight versions computed, on the device and in every tier."""
-        self._settle()
-        self.kv.reset_prefix_cache()
-        if self.connector is not None:
-            self.connector.evict_other_versions(self.weight_version)
+        self.weights.wrote(set(self.weights.expected))
 
     def _set_weight_version(self, version: str) -> None:
         if version == self.weight_version:

@@ -24,6 +24,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule a step ahead of reading samples back (default: on CUDA, off on the CPU)")
     p.add_argument("--kv-transfer-config", default=None, help="JSON, e.g. '{\"kv_connector\":\"OffloadingConnector\"}'")
+    p.add_argument("--weight-transfer-config", default=None,
+                   help="JSON, e.g. '{\"backend\":\"nccl\"}' (nccl or ipc; packed_buffer_size_bytes, timeout_s)")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
@@ -33,7 +35,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["model", "tokenizer", "dtype", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization",
             "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
-            "async_scheduling", "kv_transfer_config", "device", "seed", "enforce_eager", "attention_backend"]  # fmt: skip
+            "async_scheduling", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend"]  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from siesta.config import EngineConfig, KVTransferConfig
+from siesta.config import EngineConfig, KVTransferConfig, WeightTransferConfig
 from siesta.core.engine_core import EngineCore, EngineCoreRequest, EngineStateError
 from siesta.metrics import MetricsRegistry
 from siesta.output_processor import OutputProcessor
@@ -38,6 +38,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         async_scheduling: bool | None = None,
         kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
+        weight_transfer_config: WeightTransferConfig | dict[str, Any] | str | None = None,
         device: str | None = None,
         enforce_eager: bool = False,
         attention_backend: str = "auto",
@@ -48,7 +49,8 @@ class LLM:
             kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, seed=seed, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill, async_scheduling=async_scheduling,
-            kv_transfer_config=kv_transfer_config, device=device, enforce_eager=enforce_eager,
+            kv_transfer_config=kv_transfer_config, weight_transfer_config=weight_transfer_config,
+            device=device, enforce_eager=enforce_eager,
             attention_backend=attention_backend, enable_sleep_mode=enable_sleep_mode,
         )  # fmt: skip
         self.engine = EngineCore(self.config)
@@ -153,6 +155,8 @@ class LLM:
             with tqdm(total=len(parents), desc="Processed prompts", disable=not use_tqdm) as bar:
                 while not all(self._group_finished(p) for p in parents):
                     if not self.engine.has_work():
+                        if self.engine.weights.open:
+                            raise EngineStateError("a weight update is open: finish_weight_update() first")
                         raise EngineStateError("the engine is paused or asleep: resume() or wake_up() first")
                     self._drive_once()
                     bar.update(sum(map(self._group_finished, parents)) - bar.n)
@@ -243,13 +247,35 @@ class LLM:
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | str, weight_version: str | None = None) -> str:
-        """Write new weights in place (Hugging Face names, e.g. a trainer's ``state_dict().items()``,
-        or a model path); returns the new weight version."""
+    def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
+        """vLLM's weight-transfer API, phase 1 (once): ``{"init_info": {...}}`` or the bare init info.
+        With the nccl backend this joins the trainer's group, so the trainer must join it meanwhile."""
+        init_info = request["init_info"] if isinstance(request, dict) and set(request) == {"init_info"} else request
+        self.engine.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        """Open an update: nothing is generated until ``finish_weight_update``."""
+        self.engine.start_weight_update(is_checkpoint_format)
+
+    def update_weights(self, weights: Any, weight_version: str | None = None) -> str:
+        """Write new weights in place; returns the weight version.
+
+        ``weights``: ``{"update_info": {...}}`` (vLLM's weight-transfer call: the bytes come
+        through the configured backend), a state dict or (name, tensor) pairs with Hugging Face
+        names (e.g. a trainer's ``state_dict()``), or a model path. Outside an open update,
+        tensors and paths advance the version at once.
+        """
         return self.engine.update_weights(weights, weight_version)
 
-    def finish_weight_update(self) -> None:
-        self.engine.finish_weight_update()
+    def finish_weight_update(self, weight_version: str | None = None) -> str:
+        """Publish the update's version (the next one unless named) and evict older KV everywhere."""
+        return self.engine.finish_weight_update(weight_version)
+
+    def get_world_size(self) -> int:
+        return self.engine.get_world_size()
+
+    def get_weight_version(self) -> str:
+        return self.engine.weight_version
 
     @property
     def weight_version(self) -> str:

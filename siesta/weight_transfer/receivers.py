@@ -1,0 +1,211 @@
+"""The engine's end of each backend: bytes in, batches of declared tensors out.
+
+A receiver neither knows the model nor writes weights: it hands each bucket, as tensors of
+the declared names, dtypes and shapes, to the ``accept`` callback of the updater, which
+checked every name and shape before the first byte moved.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from siesta.config import WeightTransferConfig
+from siesta.weight_transfer.group import TransferGroup, open_group
+from siesta.weight_transfer.handles import HandleOpener, unpickle_handles
+from siesta.weight_transfer.wire import TensorMeta, UpdateInfo, WeightTransferError, parse_nccl_init
+
+logger = logging.getLogger(__name__)
+
+Batch = list[tuple[TensorMeta, torch.Tensor]]
+Accept = Callable[[Batch], None]
+
+
+class TransferFailed(RuntimeError):
+    """The bytes did not arrive (a trainer that died or went silent); the group is closed."""
+
+
+class Receiver:
+    backend = ""
+
+    def __init__(self, config: WeightTransferConfig, device: torch.device, local_rank: int = 0) -> None:
+        self.config = config
+        self.device = device
+        self.local_rank = local_rank
+
+    @property
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def init(self, init_info: Any) -> None:
+        raise NotImplementedError
+
+    def receive(self, info: UpdateInfo, accept: Accept) -> None:
+        raise NotImplementedError
+
+    def drain(self, info: UpdateInfo) -> None:
+        """Take a refused update's bytes and drop them, so the trainer's send completes."""
+
+    def begin_update(self) -> None:
+        """A new update starts (start_weight_update, or an update_weights that opens one)."""
+
+    def close(self) -> None:
+        pass
+
+
+def _typed(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    """Bytes as the declared tensor; a tensor that follows one of another dtype may start
+    off its own alignment, and is copied out first."""
+    if raw.storage_offset() % meta.dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(meta.dtype).view(meta.shape)
+
+
+def _split(buffer: torch.Tensor, tensors: list[TensorMeta]) -> Batch:
+    """Views of a bucket's bytes as the tensors packed into it, in order."""
+    views = buffer[: sum(t.nbytes for t in tensors)].split([t.nbytes for t in tensors])
+    return [(t, _typed(v, t)) for t, v in zip(tensors, views)]
+
+
+class NcclReceiver(Receiver):
+    """Receives broadcasts from the trainer (rank 0) in the group the init info names."""
+
+    backend = "nccl"
+
+    def __init__(self, config: WeightTransferConfig, device: torch.device, local_rank: int = 0) -> None:
+        super().__init__(config, device, local_rank)
+        self.group: TransferGroup | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.group is not None
+
+    def init(self, init_info: Any) -> None:
+        info = parse_nccl_init(init_info)
+        rank = info.rank_offset + self.local_rank
+        if rank >= info.world_size:
+            raise WeightTransferError(
+                f"rank_offset {info.rank_offset} puts this engine at rank {rank}, outside world_size {info.world_size}"
+            )
+        self.close()  # a trainer that restarts opens a new group
+        self.group = open_group(
+            info.master_address, info.master_port, rank, info.world_size, self.device, self.config.timeout_s
+        )
+        logger.info("joined the weight-transfer group at %s:%d as rank %d of %d",
+                    info.master_address, info.master_port, rank, info.world_size)  # fmt: skip
+
+    def receive(self, info: UpdateInfo, accept: Accept) -> None:
+        group = self._group()
+        try:
+            if info.packed:
+                buckets = info.buckets()
+                scratch = torch.empty(max(sum(t.nbytes for t in b) for b in buckets), dtype=torch.uint8, device=self.device)
+                for bucket in buckets:
+                    buffer = scratch[: sum(t.nbytes for t in bucket)]
+                    group.broadcast(buffer)
+                    accept(_split(buffer, bucket))
+            else:
+                for meta in info.tensors:
+                    tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+                    group.broadcast(tensor)
+                    accept([(meta, tensor)])
+        except (RuntimeError, TimeoutError) as e:
+            self.close()  # a group with a failed collective is out of step: the trainer must init again
+            raise TransferFailed(f"the weight broadcast failed ({type(e).__name__}: {e}); init_weight_transfer_engine again") from e
+
+    def drain(self, info: UpdateInfo) -> None:
+        if self.group is not None:
+            self.receive(info, lambda batch: None)
+
+    def _group(self) -> TransferGroup:
+        if self.group is None:
+            raise WeightTransferError("no weight-transfer group: call init_weight_transfer_engine first")
+        return self.group
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+class IpcReceiver(Receiver):
+    """Copies straight out of buffers the trainer shares on this device (no host round trip)."""
+
+    backend = "ipc"
+
+    def __init__(self, config: WeightTransferConfig, device: torch.device, local_rank: int = 0) -> None:
+        super().__init__(config, device, local_rank)
+        self.opener = HandleOpener(device, config.ipc_keep_mappings)
+        self._ready = False
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def init(self, init_info: Any) -> None:
+        if init_info not in (None, {}):
+            keys = sorted(init_info) if isinstance(init_info, dict) else type(init_info).__name__
+            raise WeightTransferError(f"the ipc backend takes an empty init_info, got {keys}")
+        self._ready = True
+
+    def receive(self, info: UpdateInfo, accept: Accept) -> None:
+        if not self._ready:
+            raise WeightTransferError("call init_weight_transfer_engine first (the ipc backend takes init_info {})")
+        handles = self._handles(info)
+        if info.packed:
+            accept(self._unpack(handles, info))
+            return
+        if not isinstance(handles, list) or len(handles) != len(info.tensors):
+            count = len(handles) if isinstance(handles, list) else type(handles).__name__
+            raise WeightTransferError(f"ipc_handles must hold one handle per tensor ({len(info.tensors)}), got {count}")
+        accept([(meta, self._as_declared(meta, self.opener.open(h))) for meta, h in zip(info.tensors, handles)])
+
+    def begin_update(self) -> None:
+        self.opener.settle()  # the mappings the last update used stay open, the rest go
+
+    def _handles(self, info: UpdateInfo) -> Any:
+        if (info.ipc_handles is None) == (info.ipc_handles_pickled is None):
+            raise WeightTransferError("an ipc update needs exactly one of ipc_handles and ipc_handles_pickled")
+        if info.ipc_handles_pickled is not None:
+            return unpickle_handles(info.ipc_handles_pickled)
+        return info.ipc_handles
+
+    def _unpack(self, handle: Any, info: UpdateInfo) -> Batch:
+        if isinstance(handle, list) and len(handle) == 1:
+            handle = handle[0]
+        buffer = self.opener.open(handle)
+        flat = buffer.reshape(-1).view(torch.uint8) if buffer.dtype != torch.uint8 else buffer.reshape(-1)
+        if info.nbytes > flat.numel():
+            raise WeightTransferError(
+                f"the packed tensors take {info.nbytes} bytes but the shared buffer holds {flat.numel()}: "
+                "the bucket's sizes do not add up"
+            )
+        return _split(flat, info.tensors)
+
+    @staticmethod
+    def _as_declared(meta: TensorMeta, shared: torch.Tensor) -> torch.Tensor:
+        if shared.dtype == torch.uint8 and meta.dtype != torch.uint8:  # raw shared-memory bytes
+            if shared.numel() != meta.nbytes:
+                raise WeightTransferError(
+                    f"{meta.name}: the shared buffer holds {shared.numel()} bytes, its shape and dtype need {meta.nbytes}"
+                )
+            return _typed(shared, meta)
+        if shared.dtype != meta.dtype or tuple(shared.shape) != meta.shape:
+            raise WeightTransferError(
+                f"{meta.name}: the shared tensor is {list(shared.shape)} {shared.dtype}, "
+                f"update_info declares {list(meta.shape)} {meta.dtype}"
+            )
+        return shared
+
+    def close(self) -> None:
+        self.opener.close()
+
+
+RECEIVERS: dict[str, type[Receiver]] = {NcclReceiver.backend: NcclReceiver, IpcReceiver.backend: IpcReceiver}
+
+
+def make_receiver(config: WeightTransferConfig, device: torch.device, local_rank: int = 0) -> Receiver:
+    return RECEIVERS[config.backend](config, device, local_rank)

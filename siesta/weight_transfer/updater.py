@@ -1,0 +1,169 @@
+"""The engine side of a weight transfer: check the declared tensors, receive, write in place.
+
+Every name and shape is checked against the model before the first byte is received; a
+refused update writes nothing (an nccl one is still received and dropped, so the trainer's
+broadcast completes and the group stays in step). Tensors are copied into the parameters
+in place, casting on the device (fp32 masters into bf16 weights), so CUDA graphs and sleep
+arenas keep their addresses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from collections.abc import Iterable, Mapping
+
+from siesta.config import WeightTransferConfig
+from siesta.model.llama import CausalLM, WeightTarget
+from siesta.weight_transfer.receivers import Batch, TransferFailed, make_receiver
+from siesta.weight_transfer.state import REPAIR, WeightState
+from siesta.weight_transfer.wire import UpdateInfo, WeightTransferError, dtype_name, parse_update_info
+
+logger = logging.getLogger(__name__)
+
+
+class UpdateFailed(RuntimeError):
+    """An update broke off (the trainer died or went silent) after writing part of what it declared."""
+
+    def __init__(self, message: str, written: set[str] | None = None, unwritten: set[str] | None = None) -> None:
+        super().__init__(message)
+        self.written = written or set()
+        self.unwritten = unwritten or set()
+
+
+class WeightUpdater:
+    """Writes into the model and keeps ``state``: whether its weights are whole."""
+
+    def __init__(self, config: WeightTransferConfig, model: CausalLM, device: torch.device, local_rank: int = 0) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.receiver = make_receiver(config, device, local_rank)
+        self.state = WeightState(frozenset(model.expected_weight_names()))
+        self.last_call = time.monotonic()  # of the open update (start, receive, write)
+
+    @property
+    def backend(self) -> str:
+        return self.receiver.backend
+
+    @property
+    def ready(self) -> bool:
+        return self.receiver.ready
+
+    def init_engine(self, init_info: Any) -> None:
+        self.receiver.init(init_info)
+
+    def start(self) -> bool:
+        """Open an update unless one is open; returns whether this call opened it."""
+        self.last_call = time.monotonic()
+        if self.state.open:
+            return False
+        self.state.start()
+        self.receiver.begin_update()
+        return True
+
+    def expire(self) -> bool:
+        """Close an update the trainer left open for ``timeout_s`` without a call: as if never
+        opened when it wrote nothing, else torn (the trainer died between its calls).
+        Returns whether it closed one."""
+        if not self.state.open or time.monotonic() - self.last_call <= self.config.timeout_s:
+            return False
+        idle = f"the weight update was left open for {self.config.timeout_s:g}s without a call or a finish"
+        if self.state.written:
+            self.state.failed(f"{idle} after writing {len(self.state.written)} tensors", self.state.expected - self.state.written)
+        logger.warning("%s; %s", idle, "its tensors are not whole" if self.state.written else "it wrote nothing")
+        self.state.close()
+        return True
+
+    def receive(self, update_info: Any) -> int:
+        """Receive one update through the backend; returns the bytes received.
+
+        Raises WeightTransferError (refused: nothing written) or UpdateFailed (broke off; if
+        it wrote anything the weights are torn until the rest arrives).
+        """
+        self.last_call = time.monotonic()
+        try:
+            written, nbytes = self._receive(update_info)
+        except UpdateFailed as e:
+            if not e.written:  # broke off before the first tensor landed: the weights are as they were
+                raise UpdateFailed(f"{e}; nothing was written, the weights are unchanged") from e
+            self.state.wrote(e.written)
+            self.state.failed(f"a weight transfer broke off ({e})", e.unwritten)
+            raise UpdateFailed(f"{e}; {self.state.describe()}; {REPAIR}", e.written, e.unwritten) from e
+        self.state.wrote(written)
+        return nbytes
+
+    def write(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """Tensors handed over in process (Hugging Face or fused names). A state dict is checked
+        whole first; a stream that breaks off after writing some leaves the weights torn."""
+        if isinstance(weights, Mapping):
+            for name, tensor in weights.items():
+                target = self.model.weight_target(name)
+                if target is not None and tuple(target.view.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model {tuple(target.view.shape)}")
+            weights = weights.items()
+        self.last_call = time.monotonic()
+        written: set[str] = set()
+        try:
+            self.model.load_weights(weights, written)
+        except Exception as e:
+            self.state.wrote(written)
+            if written:
+                self.state.failed(f"update_weights stopped after {len(written)} tensors ({e})", self.state.expected - written)
+            raise
+        self.state.wrote(written)
+
+    def _receive(self, update_info: Any) -> tuple[set[str], int]:
+        info = parse_update_info(update_info, self.config)
+        if not self.receiver.ready:
+            raise WeightTransferError(
+                f"the {self.backend} weight transfer is not initialised: call init_weight_transfer_engine first"
+            )
+        try:
+            targets = self._targets(info)
+        except WeightTransferError as refusal:
+            try:
+                self.receiver.drain(info)
+            except TransferFailed as e:
+                raise WeightTransferError(f"{refusal} (and the trainer's bytes could not be taken: {e})") from None
+            raise
+        written: set[str] = set()
+
+        def accept(batch: Batch) -> None:
+            with torch.no_grad():
+                for meta, tensor in batch:
+                    target = targets[meta.name]
+                    if target is not None:
+                        target.view.copy_(tensor)
+                        written.add(target.key)
+
+        declared = {t.key for t in targets.values() if t is not None}
+        try:
+            self.receiver.receive(info, accept)
+        except TransferFailed as e:
+            raise UpdateFailed(str(e), written, declared - written) from e
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the trainer may reuse its buffers now
+        return written, info.nbytes
+
+    def _targets(self, info: UpdateInfo) -> dict[str, WeightTarget | None]:
+        targets: dict[str, WeightTarget | None] = {}
+        for meta in info.tensors:
+            try:
+                target = self.model.weight_target(meta.name)
+            except ValueError as e:
+                raise WeightTransferError(str(e)) from None
+            if target is not None and tuple(target.view.shape) != meta.shape:
+                raise WeightTransferError(
+                    f"{meta.name}: update_info declares shape {list(meta.shape)} ({dtype_name(meta.dtype)}) "
+                    f"but the model's is {list(target.view.shape)}"
+                )
+            targets[meta.name] = target
+        return targets
+
+    def close(self) -> None:
+        self.receiver.close()

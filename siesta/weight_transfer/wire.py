@@ -1,0 +1,198 @@
+"""The weight-transfer wire format: what a trainer declares, checked before a byte moves.
+
+It is vLLM's, so a trainer written for vLLM's ``nccl`` and ``ipc`` engines drives siesta
+unchanged (DESIGN.md, "Weight transfer", spells it out for other frameworks):
+
+- init info (nccl): ``master_address``, ``master_port``, ``rank_offset``, ``world_size``;
+- update info: ``names``, ``dtype_names``, ``shapes`` (one entry per tensor, in send order),
+  ``packed`` with ``packed_buffer_size_bytes`` / ``packed_num_buffers``, and for ipc
+  ``ipc_handles`` (or ``ipc_handles_pickled``) with ``tensor_sizes`` when packed.
+
+A packed transfer concatenates the tensors' bytes in order and cuts a bucket as soon as its
+size exceeds ``packed_buffer_size_bytes`` (the tensor that crosses the line closes it), so
+both sides derive the same buckets from the declared shapes and dtypes alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from siesta.config import WeightTransferConfig
+
+# The dtypes a weight may travel in; the engine casts each into its parameter's dtype.
+WIRE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+MAX_PORT = 65535
+_UPDATE_KEYS = {
+    "names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes", "packed_num_buffers",
+    "ipc_handles", "ipc_handles_pickled", "tensor_sizes",
+}  # fmt: skip
+_INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size"}
+
+
+class WeightTransferError(ValueError):
+    """An update or init the engine refuses; the message names the offending field or tensor."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, the spelling on the wire."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class NcclInitInfo:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class UpdateInfo:
+    tensors: list[TensorMeta]
+    packed: bool
+    packed_buffer_size_bytes: int
+    packed_num_buffers: int
+    # ipc only: one handle per tensor, or (packed) one handle of the whole bucket.
+    ipc_handles: Any = None
+    ipc_handles_pickled: str | None = None
+    tensor_sizes: list[int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def buckets(self) -> list[list[TensorMeta]]:
+        """The tensors of each packed bucket, cut as the sender cuts them."""
+        return [self.tensors[a:b] for a, b in bucket_bounds([t.nbytes for t in self.tensors], self.packed_buffer_size_bytes)]
+
+
+def bucket_bounds(sizes: list[int], buffer_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) tensor indices of each bucket: a bucket ends with the tensor that takes it
+    past ``buffer_bytes`` (vLLM's rule; a tensor larger than a bucket travels alone)."""
+    bounds: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        total += size
+        if total > buffer_bytes:
+            bounds.append((start, i + 1))
+            start, total = i + 1, 0
+    if start < len(sizes):
+        bounds.append((start, len(sizes)))
+    return bounds
+
+
+def _require_object(what: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise WeightTransferError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _int_field(d: dict[str, Any], key: str, minimum: int, default: int | None = None) -> int:
+    value = d.get(key, default)
+    if value is None:
+        raise WeightTransferError(f"missing {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise WeightTransferError(f"{key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def parse_nccl_init(init_info: Any) -> NcclInitInfo:
+    d = _require_object("init_info", init_info)
+    unknown = sorted(set(d) - _INIT_KEYS)
+    if unknown:
+        raise WeightTransferError(f"init_info has fields the nccl backend does not take: {unknown}")
+    address = d.get("master_address")
+    if not isinstance(address, str) or not address:
+        raise WeightTransferError(f"'master_address' must be a host name or address, got {address!r}")
+    port = _int_field(d, "master_port", 1)
+    if port > MAX_PORT:
+        raise WeightTransferError(f"'master_port' must be at most {MAX_PORT}, got {port}")
+    world_size = _int_field(d, "world_size", 2)
+    rank_offset = _int_field(d, "rank_offset", 1)
+    return NcclInitInfo(address, port, rank_offset, world_size)
+
+
+def parse_update_info(update_info: Any, defaults: WeightTransferConfig) -> UpdateInfo:
+    """Validate the declared tensors; raises WeightTransferError naming the first problem."""
+    d = _require_object("update_info", update_info)
+    unknown = sorted(set(d) - _UPDATE_KEYS)
+    if unknown:
+        raise WeightTransferError(f"update_info has fields siesta does not take: {unknown}")
+    names, dtype_names, shapes = d.get("names"), d.get("dtype_names"), d.get("shapes")
+    for key, value in (("names", names), ("dtype_names", dtype_names), ("shapes", shapes)):
+        if not isinstance(value, list):
+            raise WeightTransferError(f"update_info needs {key!r} as a list, got {type(value).__name__}")
+    if not len(names) == len(dtype_names) == len(shapes):
+        raise WeightTransferError(
+            f"names, dtype_names and shapes must have one entry per tensor: got {len(names)}, "
+            f"{len(dtype_names)} and {len(shapes)}"
+        )
+    tensors = [_tensor_meta(n, dt, sh) for n, dt, sh in zip(names, dtype_names, shapes)]
+    seen: set[str] = set()
+    for t in tensors:
+        if t.name in seen:
+            raise WeightTransferError(f"tensor {t.name!r} appears twice in one update")
+        seen.add(t.name)
+    packed = d.get("packed", False)
+    if not isinstance(packed, bool):
+        raise WeightTransferError(f"'packed' must be true or false, got {packed!r}")
+    sizes = d.get("tensor_sizes")
+    if sizes is not None:
+        sizes = _tensor_sizes(sizes, tensors)
+    return UpdateInfo(
+        tensors=tensors,
+        packed=packed,
+        packed_buffer_size_bytes=_int_field(d, "packed_buffer_size_bytes", 1, defaults.packed_buffer_size_bytes),
+        packed_num_buffers=_int_field(d, "packed_num_buffers", 1, defaults.packed_num_buffers),
+        ipc_handles=d.get("ipc_handles"),
+        ipc_handles_pickled=d.get("ipc_handles_pickled"),
+        tensor_sizes=sizes,
+    )
+
+
+def _tensor_meta(name: Any, dtype: Any, shape: Any) -> TensorMeta:
+    if not isinstance(name, str) or not name:
+        raise WeightTransferError(f"tensor names must be non-empty strings, got {name!r}")
+    if dtype not in WIRE_DTYPES:
+        raise WeightTransferError(
+            f"{name}: dtype {dtype!r} cannot be a weight; send one of {', '.join(WIRE_DTYPES)}"
+        )
+    if not isinstance(shape, (list, tuple)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+    ):
+        raise WeightTransferError(f"{name}: shape must be a list of non-negative integers, got {shape!r}")
+    return TensorMeta(name, WIRE_DTYPES[dtype], tuple(shape))
+
+
+def _tensor_sizes(sizes: Any, tensors: list[TensorMeta]) -> list[int]:
+    """The sender's byte count per tensor must be what its shape and dtype say."""
+    if not isinstance(sizes, list) or len(sizes) != len(tensors):
+        count = len(sizes) if isinstance(sizes, list) else type(sizes).__name__
+        raise WeightTransferError(f"tensor_sizes must have one entry per tensor ({len(tensors)}), got {count}")
+    for t, size in zip(tensors, sizes):
+        if size != t.nbytes:
+            raise WeightTransferError(
+                f"{t.name}: tensor_sizes says {size!r} bytes but shape {list(t.shape)} of "
+                f"{dtype_name(t.dtype)} is {t.nbytes} bytes: the bucket's sizes do not add up"
+            )
+    return list(sizes)
