@@ -106,15 +106,33 @@ class _Routes:
         params = _query(reset_running_requests=(reset_running_requests, False), reset_external=(reset_external, False))
         return self._run(HTTPCall("POST", "/reset_prefix_cache", params))
 
-    def update_weights(self, model_path: str, weight_version: str | None = None) -> Any:
-        """Load weights from a path on the server's host; returns the new weight version."""
-        body: dict[str, Any] = {"model_path": model_path}
+    def update_weights(self, weights: str | dict[str, Any], weight_version: str | None = None) -> Any:
+        """A model path on the server's host (loaded, version advanced), or a weight-transfer
+        call: ``{"update_info": {...}}`` (vLLM's shape; the bytes travel through the backend).
+        Returns the weight version."""
+        if isinstance(weights, dict):
+            body: dict[str, Any] = weights if set(weights) == {"update_info"} else {"update_info": weights}
+        else:
+            body = {"model_path": weights}
         if weight_version is not None:
-            body["weight_version"] = weight_version
+            body = body | {"weight_version": weight_version}
         return self._run(HTTPCall("POST", "/update_weights", body=body, extract=_key("weight_version")))
 
-    def finish_weight_update(self) -> Any:
-        return self._run(HTTPCall("POST", "/finish_weight_update"))
+    def init_weight_transfer_engine(self, request: dict[str, Any]) -> Any:
+        """``{"init_info": {...}}`` (or the bare init info); nccl: blocks until the trainer joins."""
+        body = request if isinstance(request, dict) and set(request) == {"init_info"} else {"init_info": request}
+        return self._run(HTTPCall("POST", "/init_weight_transfer_engine", body=body))
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> Any:
+        return self._run(HTTPCall("POST", "/start_weight_update", body={"is_checkpoint_format": is_checkpoint_format}))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> Any:
+        """Publish the update's version (the next one unless named); returns it."""
+        body = {} if weight_version is None else {"weight_version": weight_version}
+        return self._run(HTTPCall("POST", "/finish_weight_update", body=body, extract=_key("weight_version")))
+
+    def get_world_size(self) -> Any:
+        return self._run(HTTPCall("GET", "/get_world_size", extract=_key("world_size")))
 
     def weight_version(self) -> Any:
         return self._run(HTTPCall("GET", "/weight_version", extract=_key("weight_version")))

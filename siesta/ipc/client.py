@@ -35,6 +35,8 @@ from siesta.ipc.protocol import (
     Fatal,
     FinishWeightUpdate,
     GetInfo,
+    GetWorldSize,
+    InitWeightTransfer,
     IsPaused,
     IsSleeping,
     MessageCodec,
@@ -46,6 +48,7 @@ from siesta.ipc.protocol import (
     Resume,
     Shutdown,
     Sleep,
+    StartWeightUpdate,
     StepOutputs,
     UpdateWeights,
     WakeUp,
@@ -316,11 +319,23 @@ class EngineCoreClient:
             )
         )
 
-    async def update_weights(self, model_path: str, weight_version: str | None = None) -> str:
-        return str(await self.call(UpdateWeights(model_path=model_path, weight_version=weight_version)))
+    async def update_weights(
+        self, model_path: str | None = None, weight_version: str | None = None, update_info: Any = None
+    ) -> str:
+        call = UpdateWeights(model_path=model_path, update_info=update_info, weight_version=weight_version)
+        return str(await self.call(call))
 
-    async def finish_weight_update(self) -> None:
-        await self.call(FinishWeightUpdate())
+    async def init_weight_transfer_engine(self, init_info: Any) -> None:
+        await self.call(InitWeightTransfer(init_info=init_info))
+
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        await self.call(StartWeightUpdate(is_checkpoint_format=is_checkpoint_format))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> str:
+        return str(await self.call(FinishWeightUpdate(weight_version=weight_version)))
+
+    async def get_world_size(self) -> int:
+        return int(await self.call(GetWorldSize()))
 
     async def get_info(self) -> EngineInfo:
         return msgspec.convert(await self.call(GetInfo()), EngineInfo)

@@ -14,6 +14,8 @@ from siesta.ipc.protocol import (
     EngineInfo,
     FinishWeightUpdate,
     GetInfo,
+    GetWorldSize,
+    InitWeightTransfer,
     IsPaused,
     IsSleeping,
     Pause,
@@ -21,6 +23,7 @@ from siesta.ipc.protocol import (
     Resume,
     Shutdown,
     Sleep,
+    StartWeightUpdate,
     UpdateWeights,
     WakeUp,
 )
@@ -44,8 +47,11 @@ class Engine(Protocol):
     def wake_up(self, tags: list[str] | None = ...) -> None: ...
     def is_sleeping(self) -> bool: ...
     def reset_prefix_cache(self, reset_running_requests: bool = ..., reset_connector: bool = ...) -> bool: ...
-    def update_weights(self, weights_or_path: Any, weight_version: str | None = ...) -> str: ...
-    def finish_weight_update(self) -> None: ...
+    def update_weights(self, weights: Any, weight_version: str | None = ...) -> str: ...
+    def init_weight_transfer_engine(self, init_info: Any) -> None: ...
+    def start_weight_update(self, is_checkpoint_format: bool = ...) -> None: ...
+    def finish_weight_update(self, weight_version: str | None = ...) -> str: ...
+    def get_world_size(self) -> int: ...
 
 
 @dataclass
@@ -74,7 +80,10 @@ class CallHandler:
             IsSleeping: lambda _: Outcome(self.engine.is_sleeping()),
             ResetPrefixCache: self._reset_prefix_cache,
             UpdateWeights: self._update_weights,
+            InitWeightTransfer: self._init_weight_transfer,
+            StartWeightUpdate: self._start_weight_update,
             FinishWeightUpdate: self._finish_weight_update,
+            GetWorldSize: lambda _: Outcome(self.engine.get_world_size()),
             GetInfo: lambda _: Outcome(self.info()),
             Shutdown: self._shutdown,
         }
@@ -117,11 +126,21 @@ class CallHandler:
         return Outcome(self.engine.reset_prefix_cache(call.reset_running_requests, call.reset_connector))
 
     def _update_weights(self, call: UpdateWeights) -> Outcome:
-        return Outcome(self.engine.update_weights(call.model_path, call.weight_version))
+        if (call.model_path is None) == (call.update_info is None):
+            raise ValueError("update_weights takes exactly one of model_path and update_info")
+        weights = call.model_path if call.update_info is None else {"update_info": call.update_info}
+        return Outcome(self.engine.update_weights(weights, call.weight_version))
 
-    def _finish_weight_update(self, _: FinishWeightUpdate) -> Outcome:
-        self.engine.finish_weight_update()
+    def _init_weight_transfer(self, call: InitWeightTransfer) -> Outcome:
+        self.engine.init_weight_transfer_engine(call.init_info)
         return Outcome()
+
+    def _start_weight_update(self, call: StartWeightUpdate) -> Outcome:
+        self.engine.start_weight_update(call.is_checkpoint_format)
+        return Outcome()
+
+    def _finish_weight_update(self, call: FinishWeightUpdate) -> Outcome:
+        return Outcome(self.engine.finish_weight_update(call.weight_version))
 
     def _shutdown(self, _: Shutdown) -> Outcome:
         self.stopping = True

@@ -80,11 +80,26 @@ class ResetPrefixCache(CoreCall, tag="reset_prefix_cache", omit_defaults=True):
 
 
 class UpdateWeights(CoreCall, tag="update_weights", omit_defaults=True):
-    model_path: str
+    """A checkpoint path, or a weight-transfer ``update_info`` (exactly one)."""
+
+    model_path: str | None = None
+    update_info: Any = None
     weight_version: str | None = None  # None: the next version
 
 
+class InitWeightTransfer(CoreCall, tag="init_weight_transfer", omit_defaults=True):
+    init_info: Any = None
+
+
+class StartWeightUpdate(CoreCall, tag="start_weight_update", omit_defaults=True):
+    is_checkpoint_format: bool = True
+
+
 class FinishWeightUpdate(CoreCall, tag="finish_weight_update", omit_defaults=True):
+    weight_version: str | None = None  # None: the next version, if the update wrote anything
+
+
+class GetWorldSize(CoreCall, tag="get_world_size", omit_defaults=True):
     pass
 
 
@@ -98,7 +113,8 @@ class Shutdown(CoreCall, tag="shutdown", omit_defaults=True):
 
 CoreCallUnion = (
     AddRequest | AbortRequests | Pause | Resume | IsPaused | Sleep | WakeUp | IsSleeping
-    | ResetPrefixCache | UpdateWeights | FinishWeightUpdate | GetInfo | Shutdown
+    | ResetPrefixCache | UpdateWeights | InitWeightTransfer | StartWeightUpdate | FinishWeightUpdate
+    | GetWorldSize | GetInfo | Shutdown
 )  # fmt: skip
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from siesta.config import ConfigError
 from siesta.core.engine_core import ConnectorRetentionError, EngineStateError, RequestRejected
 from siesta.ipc.protocol import RemoteError
+from siesta.weight_transfer.updater import UpdateFailed
 
 
 class EngineCoreError(RuntimeError):
@@ -28,6 +29,7 @@ class UnsupportedCallError(ValueError):
 KNOWN_ERRORS: tuple[type[BaseException], ...] = (
     ConnectorRetentionError,
     RequestRejected,
+    UpdateFailed,
     ConfigError,
     UnsupportedCallError,
     EngineStateError,

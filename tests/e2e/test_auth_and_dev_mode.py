@@ -12,7 +12,9 @@ from siesta.client import SiestaAPIError, SiestaClient
 KEY = "sekrit-key"
 CONTROL_ROUTES = [("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/is_sleeping"), ("POST", "/pause"),
                   ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/reset_prefix_cache"),
-                  ("POST", "/update_weights"), ("POST", "/abort_requests")]  # fmt: skip
+                  ("POST", "/update_weights"), ("POST", "/abort_requests"), ("POST", "/init_weight_transfer_engine"),
+                  ("POST", "/start_weight_update"), ("POST", "/finish_weight_update"), ("GET", "/get_world_size"),
+                  ("GET", "/weight_version")]  # fmt: skip
 TINY = ("random:tiny-llama", "--kv-cache-bytes", str(SERVER_KV_CACHE_BYTES))
 
 

@@ -1,4 +1,4 @@
-"""Control routes (dev mode only): sleep, wake up, pause, resume, caches, weights, aborts.
+"""Control routes (dev mode only): sleep, wake up, pause, resume, caches, aborts.
 
 Names and defaults are the engine's; ``clear_connector_cache`` defaults to true everywhere.
 A pause or sleep with ``mode=wait`` answers once the in-flight requests have finished.
@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from siesta.entrypoints.server.protocol import AbortRequestsRequest, UpdateWeightsRequest
+from siesta.entrypoints.server.protocol import AbortRequestsRequest
 from siesta.entrypoints.server.query_types import MAX_SLEEP_LEVEL, MIN_SLEEP_LEVEL, PauseMode, QueryBool, WakeTag
 from siesta.entrypoints.server.state import server_state
 from siesta.ipc.client import EngineCoreClient
@@ -72,23 +72,6 @@ async def reset_prefix_cache(
 ) -> Response:
     await _core(request).reset_prefix_cache(reset_running_requests, reset_connector=reset_external)
     return _ok()
-
-
-@router.post("/update_weights")
-async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict[str, str]:
-    version = None if body.weight_version is None else str(body.weight_version)
-    return {"weight_version": await _core(request).update_weights(body.model_path, version)}
-
-
-@router.post("/finish_weight_update")
-async def finish_weight_update(request: Request) -> Response:
-    await _core(request).finish_weight_update()
-    return _ok()
-
-
-@router.get("/weight_version")
-async def weight_version(request: Request) -> dict[str, str]:
-    return {"weight_version": (await _core(request).get_info()).weight_version}
 
 
 @router.post("/abort_requests")

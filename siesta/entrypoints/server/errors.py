@@ -1,8 +1,8 @@
 """Every error leaves the server as OpenAI's JSON shape: ``{"error": {message, type, param, code}}``.
 
 Engine errors map to statuses by type: bad arguments (ValueError, a refused retention, a
-rejected request) are 400, a control call at the wrong time (EngineStateError) 409, a dead
-engine core 503. Validation of a JSON body is 400, as vLLM answers it (OpenAI clients raise
+rejected request) are 400, a control call at the wrong time (EngineStateError) 409, a weight
+transfer whose trainer went away mid-way 502, a dead engine core 503. Validation of a JSON body is 400, as vLLM answers it (OpenAI clients raise
 BadRequestError); validation of query parameters is 422, FastAPI's convention.
 """
 
@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from siesta.core.engine_core import EngineStateError
 from siesta.entrypoints.server.jsonio import AsciiJSONResponse
 from siesta.ipc.remote_errors import EngineDeadError
+from siesta.weight_transfer.updater import UpdateFailed
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ def status_for(exc: BaseException) -> int:
         return HTTPStatus.SERVICE_UNAVAILABLE
     if isinstance(exc, EngineStateError):
         return HTTPStatus.CONFLICT
+    if isinstance(exc, UpdateFailed):  # the trainer, upstream of this call, went away
+        return HTTPStatus.BAD_GATEWAY
     if isinstance(exc, NotImplementedError):
         return HTTPStatus.NOT_IMPLEMENTED
     if isinstance(exc, ValueError):  # RequestRejected, ConnectorRetentionError, ConfigError, ...
@@ -110,7 +113,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api(_: Request, exc: APIError) -> AsciiJSONResponse:
         return error_response(exc.status, exc.message, exc.param)
 
-    for cls in (EngineDeadError, EngineStateError, NotImplementedError, ValueError):
+    for cls in (EngineDeadError, EngineStateError, UpdateFailed, NotImplementedError, ValueError):
         app.add_exception_handler(cls, _engine_error)
 
     @app.exception_handler(Exception)

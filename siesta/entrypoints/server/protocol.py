@@ -6,7 +6,9 @@ errors name the field (a 400). Unknown fields are ignored, as OpenAI-compatible 
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 # One HTTP request fans out into prompts x n engine requests; this bounds the fan-out.
 MAX_CHOICES = 128
@@ -44,6 +46,9 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     cache_salt: str | None = None
+    # vLLM's: the prompt's token ids and the generated ones beside the text (streamed: each
+    # chunk's ids, the prompt's in a choice's first chunk).
+    return_token_ids: bool = False
 
 
 class CompletionRequest(SamplingFields):
@@ -73,8 +78,33 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class UpdateWeightsRequest(BaseModel):
-    model_path: str
+    """A checkpoint to load (siesta's), or a weight-transfer call (vLLM's ``update_info``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model_path: str | None = None
+    update_info: dict[str, Any] | None = None
     weight_version: str | int | None = None  # None: the next version
+
+    @model_validator(mode="after")
+    def _one_source(self) -> UpdateWeightsRequest:
+        if (self.model_path is None) == (self.update_info is None):
+            raise ValueError("give exactly one of model_path (a checkpoint) and update_info (a weight transfer)")
+        return self
+
+
+class InitWeightTransferRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    init_info: dict[str, Any]
+
+
+class StartWeightUpdateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    is_checkpoint_format: StrictBool = True
+
+
+class FinishWeightUpdateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weight_version: str | int | None = None  # None: the next version, if the update wrote anything
 
 
 class AbortRequestsRequest(BaseModel):
