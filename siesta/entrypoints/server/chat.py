@@ -52,29 +52,41 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     generation = await state.llm.generate(meta.id, [prompt], params, body.cache_salt)
     abort_on_disconnect(request, generation)
     if body.stream:
-        events = stream_events(generation, _DeltaWriter(meta).chunks, meta.envelope, body.stream_options)
+        writer = _DeltaWriter(meta, body.return_token_ids)
+        events = stream_events(generation, writer.chunks, meta.envelope, body.stream_options)
         return StreamingResponse(events, media_type=EVENT_STREAM, background=BackgroundTask(generation.close))
     await collect(generation)
-    choices = [_choice(c) for c in generation.choices]
-    return AsciiJSONResponse(meta.envelope(choices, OBJECT) | {"usage": usage(generation)})
+    choices = [_choice(c, body.return_token_ids) for c in generation.choices]
+    response = meta.envelope(choices, OBJECT) | {"usage": usage(generation)}
+    if body.return_token_ids:  # vLLM's place for them: the response, not each choice (one prompt)
+        response["prompt_token_ids"] = list(prompt.token_ids)
+    return AsciiJSONResponse(response)
 
 
-def _choice(choice: Choice) -> dict[str, Any]:
+def _choice(choice: Choice, return_token_ids: bool) -> dict[str, Any]:
     out = OutputProcessor.completion(choice.state)
-    return {
+    entry = {
         "index": choice.index,
         "message": {"role": ROLE, "content": out.text},
         "logprobs": _logprobs(choice, out.token_ids, out.logprobs),
         "finish_reason": choice.state.finish_reason,
         "stop_reason": choice.state.stop_reason,
     }
+    if return_token_ids:
+        entry["token_ids"] = out.token_ids
+    return entry
 
 
 class _DeltaWriter:
-    """Streaming deltas; a choice's first delta carries the role."""
+    """Streaming deltas; a choice's first delta carries the role.
 
-    def __init__(self, meta: Meta) -> None:
+    With ``return_token_ids`` each chunk's choice carries its delta's ``token_ids`` and a
+    choice's first chunk the prompt's ``prompt_token_ids`` (on the chunk, as vLLM sends them).
+    """
+
+    def __init__(self, meta: Meta, return_token_ids: bool = False) -> None:
         self.meta = meta
+        self.return_token_ids = return_token_ids
         self.started: set[int] = set()
 
     def chunks(self, changed: list[Choice]) -> list[dict[str, Any]]:
@@ -93,7 +105,12 @@ class _DeltaWriter:
                 "finish_reason": choice.state.finish_reason,
                 "stop_reason": choice.state.stop_reason,
             }
-            out.append(self.meta.envelope([entry]))
+            chunk = self.meta.envelope([entry])
+            if self.return_token_ids:
+                entry["token_ids"] = delta.token_ids
+                if first:
+                    chunk["prompt_token_ids"] = list(choice.prompt.token_ids)
+            out.append(chunk)
         return out
 
 

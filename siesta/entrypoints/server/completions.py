@@ -49,18 +49,20 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     generation = await state.llm.generate(meta.id, prompts, params, body.cache_salt)
     abort_on_disconnect(request, generation)
     if body.stream:
-        writer = _ChunkWriter(meta)
+        writer = _ChunkWriter(meta, body.return_token_ids)
         events = stream_events(generation, writer.chunks, meta.envelope, body.stream_options)
         return StreamingResponse(events, media_type=EVENT_STREAM, background=BackgroundTask(generation.close))
     await collect(generation)
-    return AsciiJSONResponse(
-        meta.envelope([_choice(c, _LogprobWriter()) for c in generation.choices]) | {"usage": usage(generation)}
-    )
+    choices = [_choice(c, _LogprobWriter(), body.return_token_ids) for c in generation.choices]
+    return AsciiJSONResponse(meta.envelope(choices) | {"usage": usage(generation)})
 
 
-def _choice(choice: Choice, logprobs: _LogprobWriter) -> dict[str, Any]:
+def _choice(choice: Choice, logprobs: _LogprobWriter, return_token_ids: bool) -> dict[str, Any]:
     out = OutputProcessor.completion(choice.state)
-    return _choice_json(choice, out.text, out.token_ids, out.logprobs, logprobs)
+    entry = _choice_json(choice, out.text, out.token_ids, out.logprobs, logprobs)
+    if return_token_ids:
+        entry |= {"token_ids": out.token_ids, "prompt_token_ids": list(choice.prompt.token_ids)}
+    return entry
 
 
 def _choice_json(choice: Choice, text: str, token_ids: list[int], entries, logprobs: _LogprobWriter) -> dict[str, Any]:
@@ -75,10 +77,15 @@ def _choice_json(choice: Choice, text: str, token_ids: list[int], entries, logpr
 
 
 class _ChunkWriter:
-    """Streaming deltas; keeps each choice's text offset for its logprobs."""
+    """Streaming deltas; keeps each choice's text offset for its logprobs.
 
-    def __init__(self, meta: Meta) -> None:
+    With ``return_token_ids`` every chunk carries its delta's ``token_ids``, and a choice's
+    first chunk its ``prompt_token_ids`` (null in the later ones), as vLLM's stream does.
+    """
+
+    def __init__(self, meta: Meta, return_token_ids: bool = False) -> None:
         self.meta = meta
+        self.return_token_ids = return_token_ids
         self.logprobs: dict[int, _LogprobWriter] = {}
 
     def chunks(self, changed: list[Choice]) -> list[dict[str, Any]]:
@@ -87,8 +94,13 @@ class _ChunkWriter:
             delta = OutputProcessor.completion(choice.state, delta=True)
             if not (delta.text or delta.token_ids or delta.finish_reason):
                 continue
+            first = choice.index not in self.logprobs
             writer = self.logprobs.setdefault(choice.index, _LogprobWriter())
-            out.append(self.meta.envelope([_choice_json(choice, delta.text, delta.token_ids, delta.logprobs, writer)]))
+            entry = _choice_json(choice, delta.text, delta.token_ids, delta.logprobs, writer)
+            if self.return_token_ids:
+                prompt_ids = list(choice.prompt.token_ids) if first else None
+                entry |= {"prompt_token_ids": prompt_ids, "token_ids": delta.token_ids}
+            out.append(self.meta.envelope([entry]))
         return out
 
 
