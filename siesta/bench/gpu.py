@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from siesta.bench.common import print_table, random_prompts
+from siesta.bench.weight_transfer import summary_rows as weight_transfer_rows
+from siesta.bench.weight_transfer import weight_transfer
 
 HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200
 LINK_BYTES_PER_S = 55e9  # measured pinned host-to-device
@@ -743,6 +745,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "transfers": transfers,
     "store_overlap": store_overlap,
     "mixed_step": mixed_step,
+    "weight_transfer": weight_transfer,
     "resume_trace": resume_trace,
     "decode_trace": decode_trace,
     "step_io": step_io,
@@ -784,6 +787,8 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
     rows.append(["sleep freed fraction", get("sleep_wake", "freed_fraction"), "goal >= 0.95"])
     rows.append(["sleep / wake weights GB/s", f"{get('sleep_wake', 'weights_GB_s_sleep', default=0) or 0:.1f} / "
                  f"{get('sleep_wake', 'weights_GB_s_wake', default=0) or 0:.1f}", "goal >= 40"])  # fmt: skip
+    if isinstance(results.get("weight_transfer"), dict):
+        rows.extend(weight_transfer_rows(results["weight_transfer"]))  # ipc push, first push, RL step, nccl
     return rows
 
 
