@@ -209,8 +209,9 @@ class CausalLM(nn.Module):
         (so a caller still knows them when a later tensor raises).
         """
         written = set() if written is None else written
+        params = self.parameter_table()
         for name, tensor in weights:
-            target = self.weight_target(name)
+            target = self.weight_target(name, params)
             if target is None:
                 continue
             if target.view.shape != tensor.shape:
@@ -220,12 +221,13 @@ class CausalLM(nn.Module):
             written.add(target.key)
         return written
 
-    def weight_target(self, name: str) -> WeightTarget | None:
+    def weight_target(self, name: str, params: dict[str, nn.Parameter] | None = None) -> WeightTarget | None:
         """Where the checkpoint tensor ``name`` goes: a parameter, or the rows of a fused one.
 
         Takes Hugging Face names (``...q_proj.weight``) and this model's fused names
         (``...qkv_proj.weight``). None for tensors the model does not keep (rotary tables,
         the head of a tied checkpoint); raises ValueError, naming it, for one it has no place for.
+        Pass ``parameter_table()`` when looking up many: building it walks the whole model.
         """
         mapped = _map_checkpoint_name(name)
         if mapped is None:
@@ -233,7 +235,7 @@ class CausalLM(nn.Module):
         pname, shard, kind = mapped
         if pname == "lm_head.weight" and self.shape.tie_word_embeddings:
             return None  # some tied checkpoints store the shared matrix twice
-        params = self._params()
+        params = self.parameter_table() if params is None else params
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in this {self.shape.model_type} model")
         if shard is None:
@@ -241,8 +243,8 @@ class CausalLM(nn.Module):
         module = self.get_submodule(pname.rsplit(".", 1)[0])
         return WeightTarget(f"{pname}:{shard}", module.shard_view(shard, kind))
 
-    def _params(self) -> dict[str, nn.Parameter]:
-        # Rebuilt on each call: to_empty and sleep may swap parameter objects.
+    def parameter_table(self) -> dict[str, nn.Parameter]:
+        """Name -> parameter, now (to_empty and sleep may swap parameter objects: not kept)."""
         return dict(self.named_parameters(remove_duplicate=False))
 
     def expected_weight_names(self) -> set[str]:

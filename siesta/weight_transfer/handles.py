@@ -88,6 +88,7 @@ class HandleOpener:
         self._shm: dict[tuple[str, int, int], torch.Tensor] = {}
         self._cuda: dict[tuple[Any, ...], torch.Tensor] = {}
         self._cuda_used: set[tuple[Any, ...]] = set()
+        self._uuid: tuple[int, str] | None = None
 
     def open(self, handle: Any) -> torch.Tensor:
         """A handle -> the tensor it shares (CUDA: typed as the trainer's; shm: flat bytes)."""
@@ -100,8 +101,7 @@ class HandleOpener:
     def _open_cuda(self, handle: Any) -> torch.Tensor:
         if not isinstance(handle, dict):
             raise WeightTransferError(f"a CUDA IPC handle maps GPU UUIDs to handles, got {type(handle).__name__}")
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        index, uuid = self._gpu()
         if uuid not in handle:
             raise WeightTransferError(
                 f"no IPC handle for this engine's GPU {uuid}: the trainer shared {sorted(map(str, handle))}; "
@@ -135,6 +135,13 @@ class HandleOpener:
             self._cuda[key] = tensor  # holds torch's cached storage open until an update stops using it
             self._cuda_used.add(key)
         return tensor
+
+    def _gpu(self) -> tuple[int, str]:
+        """This engine's device index and the UUID trainers key their handles by (looked up once)."""
+        if self._uuid is None:
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._uuid = (index, str(torch.cuda.get_device_properties(index).uuid))
+        return self._uuid
 
     def settle(self) -> None:
         """Between updates: keep the CUDA mappings the last one used, release the others."""
