@@ -124,6 +124,7 @@ class WeightSender:
         fuse: bool = False,
         timeout_s: float = _DEFAULTS.timeout_s,
         device: torch.device | str | None = None,
+        start_first: bool = False,
     ) -> None:
         if backend not in ("nccl", "ipc"):
             raise ValueError(f"backend must be nccl or ipc, got {backend!r}")
@@ -138,6 +139,7 @@ class WeightSender:
         self.fuse = fuse
         self.timeout_s = timeout_s
         self.device = None if device is None else torch.device(device)
+        self.start_first = start_first  # vLLM's engines need start_weight_update; siesta's do not
         self.group: TransferGroup | None = None
         self._shm = _ShmArena()
         self._cuda_bucket: torch.Tensor | None = None
@@ -180,11 +182,13 @@ class WeightSender:
     # -- pushes --------------------------------------------------------------------------
 
     def push(self, weights: Any, weight_version: str | None = None) -> str:
-        """A whole update: start, send, finish; returns the engine's new weight version.
+        """A whole update: send (siesta's update_weights opens the update itself: one round
+        trip less than vLLM's start_weight_update first), finish; returns the new version.
 
         If the send fails the update is finished anyway where the engine allows it (nothing
         was written: it resumes on the old weights), so no update is left open to hold it."""
-        self.engine.start_weight_update(True)
+        if self.start_first:
+            self.engine.start_weight_update(True)
         try:
             self.send(weights)
         except BaseException:
