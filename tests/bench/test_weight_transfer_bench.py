@@ -17,7 +17,7 @@ ARMS = ("plain_copy", "plain_cast_copy", "ipc_first", "ipc", "ipc_fp32", "ipc_pa
 
 @pytest.fixture(scope="module")
 def result() -> dict:
-    args = argparse.Namespace(model="random:tiny-llama", device="cpu", wt_reps=2, wt_rl_steps=1,
+    args = argparse.Namespace(model="random:tiny-llama", device="cpu", wt_reps=1, wt_rl_steps=1,
                               wt_kv_cache_bytes=32 << 20, wt_engine_max_model_len=256, wt_bucket_bytes=64 << 10,
                               wt_prompt_len=12, wt_check_tokens=4, wt_startup_timeout_s=300.0)  # fmt: skip
     return wt.weight_transfer(args)
