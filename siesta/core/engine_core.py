@@ -303,6 +303,11 @@ class EngineCore:
     def drain_stats(self) -> StatsSnapshot:
         return self.stats.drain()
 
+    def drain_outputs(self) -> EngineCoreOutputs:
+        """What calls produced since the last step (aborts, a step read back), without stepping."""
+        outputs, self._pending = self._pending, []
+        return EngineCoreOutputs(outputs=outputs, stats=self.stats.drain())
+
     # -- pause / resume ----------------------------------------------------------------
 
     def pause(self, mode: str = "abort", clear_cache: bool = True, clear_connector_cache: bool = True) -> None:

@@ -1,10 +1,12 @@
 """The engine-core process: a busy loop that takes calls, steps the engine and sends outputs.
 
-Each turn: take every waiting call (block only while there is nothing to step), step the
-engine when it has work or a call may have produced outputs (aborts, pauses), send the step's
-outputs, then the replies to this turn's calls. Outputs go first so that, say, the requests a
-pause aborted have ended on the server before the pause's reply arrives. A pause or sleep in
-``wait`` mode is answered only in the turn whose step completes it.
+Each turn: take every waiting call (block only while there is nothing to step) and answer
+each as soon as its work is done, before the next step: the outputs the calls produced
+(requests a pause aborted, the step in flight a control call read back) go first, so they
+have ended on the server before the reply arrives. Then step the engine when it has work and
+send the step's outputs. A control call therefore waits at most for the step running when it
+arrived, never for another one. A pause or sleep in ``wait`` mode is answered only in the
+turn whose step completes it.
 
 A call that raises is answered with its error and changes nothing else: one bad request or
 control call never stops the loop.
@@ -70,6 +72,9 @@ class EngineCoreProc:
     def turn(self, idle_timeout_ms: int = IDLE_POLL_MS) -> bool:
         """One pass of the loop; returns whether any call arrived."""
         got_input = self._receive(0 if self._busy() else idle_timeout_ms)
+        if self._replies:
+            self._send_outputs(self.engine.drain_outputs())
+            self._flush_replies()
         if self._busy():
             self._step()
         self._flush_replies()
@@ -121,9 +126,7 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         self._dirty = False
-        out = self.engine.step()
-        if out.outputs or not out.stats.is_empty():
-            self._send(StepOutputs(outputs=out.outputs, stats=out.stats))
+        self._send_outputs(self.engine.step())
         still = []
         for pending in self._pending:
             if pending.ready():
@@ -131,6 +134,10 @@ class EngineCoreProc:
             else:
                 still.append(pending)
         self._pending = still
+
+    def _send_outputs(self, out) -> None:
+        if out.outputs or not out.stats.is_empty():
+            self._send(StepOutputs(outputs=out.outputs, stats=out.stats))
 
     def _cancel_stale_pending(self) -> None:
         # A resume or wake-up that lands while a pause still drains cancels that pause.

@@ -42,6 +42,9 @@ class FakeEngine:
     def has_work(self) -> bool:
         return False  # like the real engine during a sleep in wait mode: the loop must not rely on it
 
+    def drain_outputs(self) -> EngineCoreOutputs:
+        return EngineCoreOutputs()
+
     def step(self) -> EngineCoreOutputs:
         self.steps += 1
         if self.draining:
@@ -180,3 +183,16 @@ def test_shutdown_stops_the_loop(loop):
     call = loop.send(Shutdown())
     assert _replies(loop.turn())[call].error is None
     assert loop.proc.handler.stopping
+
+
+def test_a_call_is_answered_before_the_next_step_with_the_outputs_it_made_first(loop):
+    """A control call waits at most for the step running when it arrived: its reply (and the
+    outputs it produced, such as aborted requests) leave before the loop steps again."""
+    loop.engine.has_work = lambda: True  # a busy engine: every turn steps
+    loop.engine.drain_outputs = lambda: EngineCoreOutputs(outputs=[EngineCoreOutput("aborted", finish_reason="abort")])
+    call = loop.send(IsPaused())
+    messages = loop.turn()
+    kinds = [type(m).__name__ for m in messages]
+    assert kinds == ["StepOutputs", "Reply", "StepOutputs"]  # the call's outputs, its reply, then the step
+    assert messages[0].outputs[0].request_id == "aborted" and messages[1].call_id == call
+    assert messages[2].outputs[0].new_token_ids == [loop.engine.steps]
