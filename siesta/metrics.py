@@ -39,6 +39,7 @@ SPECS: dict[str, MetricSpec] = {
         MetricSpec("num_requests_running", "gauge", "Requests in the running batch."),
         MetricSpec("num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
         MetricSpec("kv_cache_usage_perc", "gauge", "Fraction of device KV blocks in use."),
+        MetricSpec("engine_alive", "gauge", "1 while the engine core runs, 0 once it has died (the server exits)."),
         MetricSpec("external_prefix_cache_queries", "counter", "Tokens of admitted requests looked up in the KV tiers."),
         MetricSpec("external_prefix_cache_hits", "counter", "Tokens loaded from the KV tiers instead of computed."),
         MetricSpec("kv_offload_store_bytes", "counter", "Bytes stored into a KV tier.", ("tier",)),
@@ -66,6 +67,8 @@ SPECS: dict[str, MetricSpec] = {
 }
 
 LabelKey = tuple[str, tuple[tuple[str, str], ...]]
+# Gauges of the engine's present state, zeroed when it dies.
+_ENGINE_GAUGES = ("engine_alive", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 
 
 def _key(name: str, labels: dict[str, str]) -> LabelKey:
@@ -130,6 +133,7 @@ class MetricsRegistry:
             else:
                 m = Histogram(full, spec.help, spec.labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
             self._metrics[spec.name] = m
+        self._metrics["engine_alive"].set(1.0)
 
     def _child(self, name: str, labels: list[tuple[str, str]] | tuple[tuple[str, str], ...]):
         m = self._metrics[name]
@@ -145,6 +149,11 @@ class MetricsRegistry:
 
     def observe(self, name: str, value: float, **labels: str) -> None:
         self._child(name, tuple(labels.items())).observe(value)
+
+    def engine_died(self) -> None:
+        """The engine is gone: what it last reported running, waiting and holding is not so."""
+        for name in _ENGINE_GAUGES:
+            self._metrics[name].set(0.0)
 
     def as_dict(self) -> dict[str, float]:
         """Sample name (with labels, Prometheus style) -> value; ``_created`` timestamps left out."""

@@ -15,7 +15,7 @@ import logging
 import multiprocessing
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -123,6 +123,8 @@ class EngineCoreClient:
         self._dead: str | None = None  # why, once the process is gone
         self._fatal: RemoteError | None = None
         self._closing = False
+        # Called once if the core dies while serving (not at shutdown): the server exits then.
+        self.on_death: Callable[[str], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -219,11 +221,14 @@ class EngineCoreClient:
         if not self._closing:
             logger.error("%s", reason)
         self._mark_dead(reason)
+        if not self._closing and self.on_death is not None:
+            self.on_death(reason)
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead is not None:
             return
         self._dead = reason
+        self.metrics.engine_died()  # no stale gauges: nothing runs, waits or holds KV any more
         error = EngineDeadError(reason)
         for future in self._calls.values():
             if not future.done():

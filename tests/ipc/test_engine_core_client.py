@@ -147,16 +147,22 @@ def test_abort_frees_the_request(loop, core):
 
 def test_a_dead_core_fails_everything_clearly(loop):
     core = loop.run(EngineCoreClient.start(_config()))
+    deaths: list[str] = []
+    core.on_death = deaths.append
 
     async def scenario():
         stream = core.open_stream(["d1"])
         await core.add_request(EngineCoreRequest("d1", [1, 2], SamplingParams(max_tokens=100000, ignore_eos=True)))
         await stream.get()
+        assert core.metrics.as_dict()["siesta_num_requests_running"] == 1
         os.kill(core.process.pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError, match="exit code"):
             while True:
                 await stream.get()
         assert not core.is_alive and "exit code -9" in core.dead_reason
+        assert deaths == [core.dead_reason]  # the server is told, once, and exits
+        gauges = core.metrics.as_dict()  # no stale figures of a dead engine
+        assert gauges["siesta_engine_alive"] == 0 and gauges["siesta_num_requests_running"] == 0
         with pytest.raises(EngineDeadError):
             await core.is_paused()
         with pytest.raises(EngineDeadError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -21,6 +22,10 @@ from siesta.ipc.client import EngineCoreClient
 from siesta.model.loader import resolve_model
 
 EngineStarter = Callable[[], Awaitable[tuple[EngineCoreClient, PreTrainedTokenizerBase | None]]]
+logger = logging.getLogger(__name__)
+# Exit code of an API server whose engine core died; the grace lets failed streams end first.
+EXIT_ENGINE_DEAD = 3
+ENGINE_DEATH_GRACE_S = 1.0
 
 
 def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
@@ -29,6 +34,7 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         core, tokenizer = await start_engine()
+        core.on_death = lambda reason: _exit_after_engine_death(app, reason)
         app.state.siesta = ServerState(config, core, AsyncLLM(core, tokenizer))
         try:
             yield
@@ -46,6 +52,17 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app
+
+
+def _exit_after_engine_death(app: FastAPI, reason: str) -> None:
+    """As vLLM does: the API server exits, non-zero, so that a supervisor restarts it. The
+    requests that were in flight have their 503 already; a moment more lets it reach them."""
+    logger.error("the engine core died (%s): the API server exits in %.0f s with code %d",
+                 reason, ENGINE_DEATH_GRACE_S, EXIT_ENGINE_DEAD)  # fmt: skip
+    app.state.exit_code = EXIT_ENGINE_DEAD
+    stop = getattr(app.state, "stop_server", None)
+    if stop is not None:
+        asyncio.get_running_loop().call_later(ENGINE_DEATH_GRACE_S, stop)
 
 
 def engine_starter(engine_config: EngineConfig) -> EngineStarter:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 import uvicorn
 
@@ -31,6 +32,13 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     if config.dev_mode:
         logging.getLogger(__name__).warning("dev mode: the control routes (/sleep, /pause, ...) are enabled")
     app = build_app(config, engine_starter(engine_config))
-    uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+        )
     )
+    app.state.stop_server = lambda: setattr(server, "should_exit", True)
+    server.run()
+    code = getattr(app.state, "exit_code", 0)
+    if code:
+        sys.exit(code)  # the engine core died: a supervisor restarts the server
