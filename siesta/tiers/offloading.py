@@ -257,14 +257,30 @@ class OffloadingConnector(KVConnector):
         if after is None and transfers.stores:
             after = self.stores.compute_mark()
         for job in transfers.stores:
-            job.entry = self.host.reserve(job.key, job.version)
-            if job.entry is None:  # every slot pinned: drop the store, nothing is lost but the copy
+            job.entry = self._reserve(job)
+            if job.entry is None:  # every slot pinned by loads and stores in flight: counted
                 self._finish_store(job, stored=False)
                 continue
             parts = [(self.host.data(job.entry), [b.block_id for b in job.blocks])]
             self.stores.submit(job, parts, kv_cache, issue=False, after=after)
             self._inflight_stores += 1
         self.poll()  # issues the step's stores together
+
+    def _reserve(self, job: StoreJob) -> HostEntry | None:
+        """A host slot for the store. When every slot is busy with stores on their way to the
+        disk, the oldest are finished (landed in host memory, then written) rather than the
+        store dropped while the disk has room. None only when loads pin every slot."""
+        entry = self.host.reserve(job.key, job.version)
+        while entry is None:
+            if self._disk_writes:
+                self._retire_disk_write(*self._disk_writes.pop(0))
+            elif self._inflight_stores:
+                self.stores.drain()  # the step's earlier stores land and start their disk writes
+                self.poll()
+            else:
+                return None
+            entry = self.host.reserve(job.key, job.version)
+        return entry
 
     def run_loads(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
         for job in transfers.loads:
@@ -321,12 +337,15 @@ class OffloadingConnector(KVConnector):
         still = []
         for key, future in self._disk_writes:
             if block or future.done():
-                written = future.result()
-                self.host.unpin(key)
-                self.ctx.stats.inc("kv_offload_store_bytes", written, tier="disk")
+                self._retire_disk_write(key, future)
             else:
                 still.append((key, future))
         self._disk_writes = still
+
+    def _retire_disk_write(self, key: BlockHash, future: Future[int]) -> None:
+        written = future.result()
+        self.host.unpin(key)
+        self.ctx.stats.inc("kv_offload_store_bytes", written, tier="disk")
 
     def wait_for_stores(self, kv_cache: KVCache) -> None:
         planned, self._planned = self._planned, []
