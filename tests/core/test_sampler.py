@@ -135,6 +135,21 @@ def test_greedy_rows_stay_argmax_in_a_mixed_batch(device: torch.device) -> None:
             assert results[i].token_id == argmax[i]
 
 
+@pytest.mark.parametrize("gap", [1e-3, 1e-5, 0.0])
+def test_greedy_takes_the_best_of_near_ties(device: torch.device, gap: float) -> None:
+    """Random logits seldom tie: here the best two are ``gap`` apart (an exact tie goes to the
+    lower id, as torch.argmax), at both ends and across the chunks the argmax kernels split."""
+    for vocab in (10, 1000, 49152, 128_256):
+        picks = [(vocab - 1, 1), (1, vocab - 1), (vocab // 2 + 1, vocab // 2), (vocab // 3 + 2, 3)]
+        logits = torch.full((len(picks), vocab), -5.0)
+        for i, (winner, second) in enumerate(picks):
+            logits[i, winner] = 2.0 + gap
+            logits[i, second] = 2.0
+        results = Sampler()(logits.to(device), [row() for _ in picks])
+        expected = [min(w, s) if gap == 0.0 else w for w, s in picks]
+        assert tokens(results) == expected, (vocab, gap)
+
+
 def test_bfloat16_logits_are_accepted(device: torch.device) -> None:
     logits = random_logits(4, 300, seed=3, device=device).bfloat16()
     assert tokens(Sampler()(logits, [row() for _ in range(4)])) == logits.float().argmax(dim=-1).tolist()

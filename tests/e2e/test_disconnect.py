@@ -61,3 +61,22 @@ def test_disconnect_while_frozen_aborts_too(dev_server):
         wait_for(lambda: _blocks_freed(dev_server), what="running 0 and KV usage 0")
         time.sleep(0.2)
         assert client.completions("Hi", max_tokens=1)["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_waiting_request_left_by_its_client_is_aborted_on_either_route(dev_server, route):
+    """A request held by a pause writes nothing and, not streamed, has no streaming response
+    to see the client go: only the route's disconnect watcher aborts it."""
+    body = LONG
+    if route.endswith("chat/completions"):
+        body = {"messages": [{"role": "user", "content": LONG["prompt"]}], "max_tokens": 400, "ignore_eos": True}
+    with dev_server.client() as client:
+        before = _aborts(dev_server)
+        client.pause(mode="keep")
+        try:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{dev_server.url}{route}", json=body, timeout=CLIENT_GIVES_UP_S)
+            wait_for(lambda: _aborts(dev_server) == before + 1, what="the abort while paused")
+        finally:
+            client.resume()
+        wait_for(lambda: _blocks_freed(dev_server), what="running 0 and KV usage 0")

@@ -178,3 +178,44 @@ def test_startup_failure_is_reported(loop):
     bad = EngineConfig(model=ModelConfig(model="random:no-such-shape"))
     with pytest.raises(ValueError, match="no-such-shape"):
         loop.run(EngineCoreClient.start(bad))
+
+
+def test_the_clients_pause_and_sleep_clear_the_tier_by_default(loop):
+    """clear_connector_cache defaults to true on the client's own methods too: a replay after
+    a default pause or sleep loads nothing, while keeping the tier (asked for) loads."""
+    from siesta.config import KVTransferConfig
+
+    tier = KVTransferConfig(kv_connector="OffloadingConnector", kv_connector_extra_config={"cpu_bytes_to_use": 1 << 24})
+    core = loop.run(EngineCoreClient.start(EngineConfig(model=ModelConfig(model=MODEL), kv_transfer=tier,
+                                                       cache=CacheConfig(kv_cache_bytes=KV_BYTES))))  # fmt: skip
+    hits = "siesta_external_prefix_cache_hits_total"
+    prompt, params = list(range(1, 70)), SamplingParams(max_tokens=2, temperature=0)
+
+    async def replay_hits(n: int, control) -> float:
+        await _generate(core, f"warm{n}", prompt, params)
+        await control()
+        before = core.metrics.as_dict()[hits]
+        await _generate(core, f"replay{n}", prompt, params)
+        return core.metrics.as_dict()[hits] - before
+
+    async def scenario():
+        async def keep():
+            await core.pause(mode="keep", clear_connector_cache=False)
+            await core.resume()
+
+        async def default_pause():
+            await core.pause(mode="keep")
+            await core.resume()
+
+        async def default_sleep():
+            await core.sleep(level=1)
+            await core.wake_up()
+
+        assert await replay_hits(0, keep) > 0  # the control: a kept tier does load
+        assert await replay_hits(1, default_pause) == 0
+        assert await replay_hits(2, default_sleep) == 0
+
+    try:
+        loop.run(scenario())
+    finally:
+        loop.run(core.shutdown())
