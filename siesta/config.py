@@ -95,6 +95,9 @@ class SchedulerConfig:
     # them on the device), so the host's work of a step overlaps the device's. None: on where
     # the device runs ahead of the host (CUDA), off on the CPU, whose ops finish as they return.
     async_scheduling: bool | None = None
+    # Engine requests (prompts x n of every HTTP request) that may wait to be scheduled; past
+    # this the engine refuses new ones (HTTP 429 with Retry-After) instead of queueing for hours.
+    max_waiting_requests: int = 4096
 
     def resolve(self, max_model_len: int) -> None:
         if self.max_num_batched_tokens is None:
@@ -106,6 +109,8 @@ class SchedulerConfig:
         self.resolve(max_model_len)
         if self.max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_waiting_requests <= 0:
+            raise ConfigError(f"max_waiting_requests must be positive, got {self.max_waiting_requests}")
         if self.max_num_batched_tokens <= 0:
             raise ConfigError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
@@ -236,6 +241,7 @@ class EngineConfig:
         max_num_seqs: int = 256,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool | None = None,
+        max_waiting_requests: int = 4096,
         kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
         weight_transfer_config: WeightTransferConfig | dict[str, Any] | str | None = None,
         device: str | None = None,
@@ -257,6 +263,7 @@ class EngineConfig:
                 max_num_seqs=max_num_seqs,
                 enable_chunked_prefill=enable_chunked_prefill,
                 async_scheduling=async_scheduling,
+                max_waiting_requests=max_waiting_requests,
             ),
             kv_transfer=KVTransferConfig.from_any(kv_transfer_config),
             weight_transfer=WeightTransferConfig.from_any(weight_transfer_config),

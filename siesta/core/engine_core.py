@@ -59,6 +59,10 @@ class EngineStateError(RuntimeError):
     """A control call that does not fit the engine's state (e.g. resume while asleep)."""
 
 
+class EngineOverloaded(RuntimeError):
+    """More requests wait than ``max_waiting_requests``: retry later (HTTP 429)."""
+
+
 PAUSE_MODES = ("abort", "wait", "keep")
 SLEEP_LEVELS = (0, 1, 2)
 WAKE_TAGS = ("weights", "kv_cache")
@@ -142,13 +146,30 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Validate and queue; raises RequestRejected (naming the problem) and changes nothing on failure."""
+        self.add_requests([req])
+
+    def add_requests(self, reqs: list[EngineCoreRequest]) -> None:
+        """All of one HTTP request's choices, or none: each is checked before any is queued."""
         if self.weights.torn:
             raise RequestRejected(f"the engine cannot generate: {self.weights.describe()}; {REPAIR}")
-        self._validate(req)
-        if self._pause_mode is not None:
-            self._held.append(req)
-            return
-        self._queue(req)
+        waiting = len(self.scheduler.waiting) + len(self._held)
+        limit = self.config.scheduler.max_waiting_requests
+        if waiting + len(reqs) > limit:
+            raise EngineOverloaded(
+                f"{waiting} requests wait and this one adds {len(reqs)}; at most {limit} may wait "
+                "(--max-waiting-requests): retry later"
+            )
+        ids = [r.request_id for r in reqs]
+        if len(set(ids)) != len(ids):
+            raise RequestRejected("request ids repeat within one request")
+        for req in reqs:
+            self._validate(req)
+        for req in reqs:
+            if self._pause_mode is not None:
+                self._held.append(req)
+            else:
+                self._queue(req)
+        self.scheduler.set_held(len(self._held))
 
     def _queue(self, req: EngineCoreRequest) -> None:
         request = Request(
@@ -196,10 +217,13 @@ class EngineCore:
         ids = set(request_ids)
         held = [h for h in self._held if h.request_id in ids]
         self._held = [h for h in self._held if h.request_id not in ids]
+        self.scheduler.set_held(len(self._held))
         self._pending.extend(
             EngineCoreOutput(request_id=h.request_id, finish_reason="abort", weight_version=self.weight_version)
             for h in held
         )
+        if held:  # they never reached the scheduler, which counts the rest
+            self.stats.inc("request_success", len(held), finished_reason="abort")
         self._pending.extend(self.scheduler.abort_requests(request_ids))
 
     def has_unfinished_requests(self) -> bool:
@@ -365,6 +389,7 @@ class EngineCore:
         held, self._held = self._held, []
         for req in held:
             self._queue(req)
+        self.scheduler.set_held(0)
 
     # -- sleep / wake ------------------------------------------------------------------
 

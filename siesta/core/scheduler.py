@@ -56,6 +56,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.held = 0  # requests the engine holds back while paused: they wait too
         # Holding blocks, waiting for their tier loads to land before computing.
         self.loading: dict[str, Request] = {}
         self.connector: KVConnector | None = None
@@ -316,9 +317,13 @@ class Scheduler:
             num_cached_tokens=max(request.num_cached_tokens, 0),
         )
 
+    def set_held(self, count: int) -> None:
+        self.held = count
+        self._record_gauges()
+
     def _record_gauges(self) -> None:
         self.stats.set("num_requests_running", len(self.running))
-        self.stats.set("num_requests_waiting", len(self.waiting) + len(self.loading))
+        self.stats.set("num_requests_waiting", len(self.waiting) + len(self.loading) + self.held)
         self.stats.set("kv_cache_usage_perc", self.kv.pool.usage)
 
 

@@ -23,6 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule a step ahead of reading samples back (default: on CUDA, off on the CPU)")
+    p.add_argument("--max-waiting-requests", type=int, default=4096,
+                   help="engine requests that may wait; past it new ones get 429 (a request counts prompts x n)")
     p.add_argument("--kv-transfer-config", default=None, help="JSON, e.g. '{\"kv_connector\":\"OffloadingConnector\"}'")
     p.add_argument("--weight-transfer-config", default=None,
                    help="JSON, e.g. '{\"backend\":\"nccl\"}' (nccl or ipc; packed_buffer_size_bytes, timeout_s)")
@@ -35,7 +37,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["model", "tokenizer", "dtype", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization",
             "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
-            "async_scheduling", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend"]  # fmt: skip
+            "async_scheduling", "max_waiting_requests", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend"]  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 
@@ -57,6 +59,8 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
+    from siesta.entrypoints.server.state import DEFAULT_MAX_REQUEST_BODY_BYTES, DEFAULT_MAX_REQUEST_FANOUT
+
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="as --model; default: embedded SmolLM2")
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other hosts")
     p.add_argument("--port", type=int, default=8000)
@@ -65,6 +69,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dev-mode", action="store_true", help="enable the control routes (or SIESTA_SERVER_DEV_MODE=1)")
     p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--max-request-fanout", type=int, default=DEFAULT_MAX_REQUEST_FANOUT,
+                   help="engine requests (prompts x n) one HTTP request may make")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies are refused (413) before they are parsed")
     _engine_args(p)
 
 

@@ -29,6 +29,7 @@ from siesta.ipc.core_proc import run_engine_core
 from siesta.ipc.protocol import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     CallCodec,
     CoreCall,
     EngineInfo,
@@ -289,6 +290,10 @@ class EngineCoreClient:
     async def add_request(self, request: EngineCoreRequest) -> None:
         """Queue one request (its stream must be open); raises RequestRejected with the core's reason."""
         await self.call(AddRequest(request=request))
+
+    async def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Queue all of them in one message, or none (RequestRejected, EngineOverloaded)."""
+        await self.call(AddRequests(requests=requests))
 
     def abort_nowait(self, request_ids: list[str]) -> None:
         if request_ids:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from siesta.ipc.protocol import (
     AbortRequests,
     AddRequest,
+    AddRequests,
     CoreCall,
     EngineInfo,
     FinishWeightUpdate,
@@ -40,6 +41,7 @@ class Engine(Protocol):
     def step(self) -> Any: ...
     def drain_outputs(self) -> Any: ...
     def add_request(self, req: Any) -> None: ...
+    def add_requests(self, reqs: list[Any]) -> None: ...
     def abort_requests(self, request_ids: list[str]) -> None: ...
     def pause(self, mode: str = ..., clear_cache: bool = ..., clear_connector_cache: bool = ...) -> None: ...
     def resume(self) -> None: ...
@@ -72,6 +74,7 @@ class CallHandler:
         self.stopping = False
         self._table: dict[type[CoreCall], Callable[[Any], Outcome]] = {
             AddRequest: self._add,
+            AddRequests: self._add_many,
             AbortRequests: self._abort,
             Pause: self._pause,
             Resume: self._resume,
@@ -95,6 +98,10 @@ class CallHandler:
 
     def _add(self, call: AddRequest) -> Outcome:
         self.engine.add_request(call.request)
+        return Outcome()
+
+    def _add_many(self, call: AddRequests) -> Outcome:
+        self.engine.add_requests(list(call.requests))
         return Outcome()
 
     def _abort(self, call: AbortRequests) -> Outcome:

@@ -42,6 +42,12 @@ class AddRequest(CoreCall, tag="add", omit_defaults=True):
     request: EngineCoreRequest
 
 
+class AddRequests(CoreCall, tag="add_many", omit_defaults=True):
+    """Every choice of one HTTP request in one message: all are queued, or none."""
+
+    requests: list[EngineCoreRequest] = []
+
+
 class AbortRequests(CoreCall, tag="abort", omit_defaults=True):
     request_ids: list[str] = []
 
@@ -112,7 +118,7 @@ class Shutdown(CoreCall, tag="shutdown", omit_defaults=True):
 
 
 CoreCallUnion = (
-    AddRequest | AbortRequests | Pause | Resume | IsPaused | Sleep | WakeUp | IsSleeping
+    AddRequest | AddRequests | AbortRequests | Pause | Resume | IsPaused | Sleep | WakeUp | IsSleeping
     | ResetPrefixCache | UpdateWeights | InitWeightTransfer | StartWeightUpdate | FinishWeightUpdate
     | GetWorldSize | GetInfo | Shutdown
 )  # fmt: skip

@@ -8,7 +8,7 @@ with a 400 and EngineStateError with a 409. Anything else arrives as ``EngineCor
 from __future__ import annotations
 
 from siesta.config import ConfigError
-from siesta.core.engine_core import ConnectorRetentionError, EngineStateError, RequestRejected
+from siesta.core.engine_core import ConnectorRetentionError, EngineOverloaded, EngineStateError, RequestRejected
 from siesta.ipc.protocol import RemoteError
 from siesta.weight_transfer.updater import UpdateFailed
 
@@ -30,6 +30,7 @@ KNOWN_ERRORS: tuple[type[BaseException], ...] = (
     ConnectorRetentionError,
     RequestRejected,
     UpdateFailed,
+    EngineOverloaded,
     ConfigError,
     UnsupportedCallError,
     EngineStateError,

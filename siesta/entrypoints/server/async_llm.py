@@ -122,10 +122,9 @@ class AsyncLLM:
         ]
         generation = Generation(self, request_id, prompts, choices, stream)
         self._live[request_id] = generation
+        requests = [EngineCoreRequest(c.request_id, c.prompt.token_ids, c.state.params, cache_salt) for c in choices]
         try:
-            for choice in choices:
-                request = EngineCoreRequest(choice.request_id, choice.prompt.token_ids, choice.state.params, cache_salt)
-                await self.core.add_request(request)
+            await self.core.add_requests(requests)  # one message: queued in one step, or not at all
         except BaseException:
             generation.close()
             raise

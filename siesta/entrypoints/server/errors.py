@@ -1,7 +1,8 @@
 """Every error leaves the server as OpenAI's JSON shape: ``{"error": {message, type, param, code}}``.
 
 Engine errors map to statuses by type: bad arguments (ValueError, a refused retention, a
-rejected request) are 400, a control call at the wrong time (EngineStateError) 409, a weight
+rejected request) are 400, a control call at the wrong time (EngineStateError) 409, a full
+waiting queue 429 with Retry-After, a weight
 transfer whose trainer went away mid-way 502, a dead engine core 503. Validation of a JSON body is 400, as vLLM answers it (OpenAI clients raise
 BadRequestError); validation of query parameters is 422, FastAPI's convention.
 """
@@ -16,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from siesta.core.engine_core import EngineStateError
+from siesta.core.engine_core import EngineOverloaded, EngineStateError
 from siesta.entrypoints.server.jsonio import AsciiJSONResponse
 from siesta.ipc.remote_errors import EngineDeadError
 from siesta.weight_transfer.updater import UpdateFailed
@@ -24,6 +25,7 @@ from siesta.weight_transfer.updater import UpdateFailed
 logger = logging.getLogger(__name__)
 
 _VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix for a validator's ValueError
+RETRY_AFTER_S = "1"  # a full queue drains by a batch in about a second's steps
 _BODY = "body"
 
 
@@ -65,6 +67,8 @@ def status_for(exc: BaseException) -> int:
         return HTTPStatus.SERVICE_UNAVAILABLE
     if isinstance(exc, EngineStateError):
         return HTTPStatus.CONFLICT
+    if isinstance(exc, EngineOverloaded):
+        return HTTPStatus.TOO_MANY_REQUESTS
     if isinstance(exc, UpdateFailed):  # the trainer, upstream of this call, went away
         return HTTPStatus.BAD_GATEWAY
     if isinstance(exc, NotImplementedError):
@@ -113,7 +117,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api(_: Request, exc: APIError) -> AsciiJSONResponse:
         return error_response(exc.status, exc.message, exc.param)
 
-    for cls in (EngineDeadError, EngineStateError, UpdateFailed, NotImplementedError, ValueError):
+    for cls in (EngineDeadError, EngineStateError, EngineOverloaded, UpdateFailed, NotImplementedError, ValueError):
         app.add_exception_handler(cls, _engine_error)
 
     @app.exception_handler(Exception)
@@ -123,4 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 async def _engine_error(_: Request, exc: Exception) -> AsciiJSONResponse:
-    return error_response(status_for(exc), str(exc))
+    response = error_response(status_for(exc), str(exc))
+    if isinstance(exc, EngineOverloaded):
+        response.headers["Retry-After"] = RETRY_AFTER_S
+    return response
