@@ -17,6 +17,7 @@ from siesta.entrypoints.server.async_llm import AsyncLLM
 from siesta.entrypoints.server.auth import ApiKeyMiddleware
 from siesta.entrypoints.server.errors import install_error_handlers
 from siesta.entrypoints.server.jsonio import AsciiJSONResponse
+from siesta.entrypoints.server.limits import BodySizeLimit, PromptLimit
 from siesta.entrypoints.server.state import ServerConfig, ServerState
 from siesta.ipc.client import EngineCoreClient
 from siesta.model.loader import resolve_model
@@ -35,7 +36,8 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         core, tokenizer = await start_engine()
         core.on_death = lambda reason: _exit_after_engine_death(app, reason)
-        app.state.siesta = ServerState(config, core, AsyncLLM(core, tokenizer))
+        limit = await asyncio.to_thread(PromptLimit.of, tokenizer, core.info.max_model_len)
+        app.state.siesta = ServerState(config, core, AsyncLLM(core, tokenizer), limit)
         try:
             yield
         finally:
@@ -51,6 +53,7 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
         app.include_router(weight_routes.router)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)  # outermost: before any parsing
     return app
 
 

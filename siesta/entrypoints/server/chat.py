@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from siesta.entrypoints.server.async_llm import Choice
 from siesta.entrypoints.server.disconnect import abort_on_disconnect
 from siesta.entrypoints.server.generation_io import EVENT_STREAM, collect, sampling_error, stream_events
 from siesta.entrypoints.server.jsonio import AsciiJSONResponse
+from siesta.entrypoints.server.limits import check_fanout, content_chars
 from siesta.entrypoints.server.prompts import chat_prompt
 from siesta.entrypoints.server.protocol import ChatCompletionRequest
 from siesta.entrypoints.server.responses import json_logprob, token_text, top_entries, usage
@@ -47,7 +49,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params = chat_params(body)
     except ValueError as e:
         raise sampling_error(e) from None
-    prompt = chat_prompt(state.llm.tokenizer, body.messages, body.add_generation_prompt)
+    check_fanout(1, body.n, state.config.max_request_fanout)
+    state.prompt_limit.check_text(content_chars(body.messages), "messages")
+    prompt = await asyncio.to_thread(chat_prompt, state.llm.tokenizer, body.messages, body.add_generation_prompt)
     meta = Meta(request_id(request, ID_PREFIX), model)
     generation = await state.llm.generate(meta.id, [prompt], params, body.cache_salt)
     abort_on_disconnect(request, generation)

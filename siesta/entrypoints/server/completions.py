@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,8 @@ from siesta.entrypoints.server.async_llm import Choice
 from siesta.entrypoints.server.disconnect import abort_on_disconnect
 from siesta.entrypoints.server.generation_io import EVENT_STREAM, collect, sampling_error, stream_events
 from siesta.entrypoints.server.jsonio import AsciiJSONResponse
-from siesta.entrypoints.server.prompts import completion_prompts
+from siesta.entrypoints.server.limits import check_fanout
+from siesta.entrypoints.server.prompts import completion_prompts, prompt_count
 from siesta.entrypoints.server.protocol import CompletionRequest
 from siesta.entrypoints.server.responses import json_logprob, token_text, usage
 from siesta.entrypoints.server.sampling_params import completion_params
@@ -44,7 +46,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         params = completion_params(body)
     except ValueError as e:
         raise sampling_error(e) from None
-    prompts = completion_prompts(state.llm.tokenizer, body.prompt, state.info.vocab_size)
+    check_fanout(prompt_count(body.prompt), body.n, state.config.max_request_fanout)
+    prompts = await asyncio.to_thread(
+        completion_prompts, state.llm.tokenizer, body.prompt, state.info.vocab_size, state.prompt_limit
+    )
     meta = Meta(request_id(request, ID_PREFIX), model)
     generation = await state.llm.generate(meta.id, prompts, params, body.cache_salt)
     abort_on_disconnect(request, generation)

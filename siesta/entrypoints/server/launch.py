@@ -23,6 +23,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         dev_mode=args.dev_mode or dev_mode_from_env(),
         model_path=args.model,
+        max_request_fanout=args.max_request_fanout,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
 
 

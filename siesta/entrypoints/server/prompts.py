@@ -8,6 +8,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from siesta.entrypoints.server.errors import APIError
+from siesta.entrypoints.server.limits import PromptLimit
 from siesta.entrypoints.server.protocol import MAX_PROMPTS, ChatMessage, PromptInput
 from siesta.tokenizer import chat_to_ids, encode
 
@@ -21,15 +22,24 @@ class TokenizedPrompt:
     token_ids: list[int]
 
 
+def prompt_count(prompt: PromptInput) -> int:
+    return len(_as_list(prompt))
+
+
 def completion_prompts(
-    tokenizer: PreTrainedTokenizerBase | None, prompt: PromptInput, vocab_size: int
+    tokenizer: PreTrainedTokenizerBase | None, prompt: PromptInput, vocab_size: int, limit: PromptLimit
 ) -> list[TokenizedPrompt]:
-    """A string, strings, token ids or lists of token ids -> one TokenizedPrompt each."""
+    """A string, strings, token ids or lists of token ids -> one TokenizedPrompt each.
+
+    Slow for long texts: the routes run it in a worker thread. A prompt that cannot fit is
+    refused before it is tokenized."""
     items = _as_list(prompt)
     if not items:
         raise APIError(_BAD_REQUEST, "prompt must not be empty", "prompt")
     if len(items) > MAX_PROMPTS:
         raise APIError(_BAD_REQUEST, f"prompt holds {len(items)} prompts; at most {MAX_PROMPTS} per request", "prompt")
+    for item in items:
+        (limit.check_text if isinstance(item, str) else limit.check_ids)(len(item), "prompt")
     out = []
     for item in items:
         if isinstance(item, str):

@@ -11,6 +11,7 @@ from starlette.requests import Request
 
 from siesta.entrypoints.server.async_llm import AsyncLLM
 from siesta.entrypoints.server.errors import APIError
+from siesta.entrypoints.server.limits import PromptLimit
 from siesta.ipc.client import EngineCoreClient
 from siesta.ipc.protocol import EngineInfo
 
@@ -25,12 +26,21 @@ def dev_mode_from_env() -> bool:
     return os.environ.get(DEV_MODE_ENV, "").strip().lower() in _TRUE_ENV_VALUES
 
 
+# prompts x n per HTTP request: a whole prompt batch of the OpenAI API, but not a queue's worth.
+DEFAULT_MAX_REQUEST_FANOUT = 1024
+# Far above 1,024 prompts of 4k tokens as ids; a 50 MB prompt is refused before it is parsed.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
+
+
 @dataclass
 class ServerConfig:
     served_model_names: list[str] = field(default_factory=list)  # empty: the model's own name
     api_key: str | None = None
     dev_mode: bool = False
     model_path: str | None = None  # what ``siesta serve`` was given (None: the embedded model)
+    # What one HTTP request may cost (siesta.entrypoints.server.limits).
+    max_request_fanout: int = DEFAULT_MAX_REQUEST_FANOUT
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
 @dataclass
@@ -38,6 +48,7 @@ class ServerState:
     config: ServerConfig
     core: EngineCoreClient
     llm: AsyncLLM
+    prompt_limit: PromptLimit
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
