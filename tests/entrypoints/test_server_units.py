@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 from siesta.core.engine_core import ConnectorRetentionError, EngineStateError, RequestRejected
 from siesta.entrypoints.server.app import build_app
 from siesta.entrypoints.server.errors import APIError, error_type, status_for
+from siesta.entrypoints.server.limits import PromptLimit
 from siesta.entrypoints.server.prompts import completion_prompts
 from siesta.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from siesta.entrypoints.server.query_types import parse_bool
@@ -62,13 +63,43 @@ def test_n_children_get_their_own_seeds():
     assert all(child_params(params, i).n == 1 for i in range(3))
 
 
+LIMIT = PromptLimit(max_model_len=64, max_token_chars=4)
+
+
+VOCAB_EMBEDDED = 49152
+
+
 def test_prompt_shapes():
-    assert [p.token_ids for p in completion_prompts(None, [1, 2], VOCAB)] == [[1, 2]]
-    assert [p.token_ids for p in completion_prompts(None, [[1], [2, 3]], VOCAB)] == [[1], [2, 3]]
-    for bad in ([], [[1], [VOCAB]], "text without a tokenizer"):
+    assert [p.token_ids for p in completion_prompts(None, [1, 2], VOCAB, LIMIT)] == [[1, 2]]
+    assert [p.token_ids for p in completion_prompts(None, [[1], [2, 3]], VOCAB, LIMIT)] == [[1], [2, 3]]
+    for bad in ([], [[1], [VOCAB]], "text without a tokenizer", [1] * 64, "x" * 256):
         with pytest.raises(APIError) as err:
-            completion_prompts(None, bad, VOCAB)
+            completion_prompts(None, bad, VOCAB, LIMIT)
         assert err.value.status == 400 and err.value.param == "prompt"
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_untokenized(embedded_tokenizer):
+    """No token spans more characters than the longest vocabulary entry: that bounds the tokens
+    of a text from below without tokenizing it."""
+    limit = PromptLimit.of(embedded_tokenizer, max_model_len=100)
+    longest = max(len(embedded_tokenizer.decode([i])) for i in range(len(embedded_tokenizer)))
+    assert limit.max_token_chars >= longest
+    text = "the sea is wide and deep " * 40  # 1,000 characters, ~200 tokens
+    assert len(text) < limit.max_model_len * limit.max_token_chars  # not refused untokenized: it is tokenized
+    with pytest.raises(APIError, match="has .* tokens but max_model_len is 100"):
+        completion_prompts(embedded_tokenizer, [embedded_tokenizer.encode(text)], VOCAB_EMBEDDED, limit)
+    huge = "x" * (limit.max_model_len * limit.max_token_chars)
+    calls = []
+    real = embedded_tokenizer.encode
+    embedded_tokenizer.encode = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        with pytest.raises(APIError, match="characters, so at least"):
+            completion_prompts(embedded_tokenizer, huge, VOCAB_EMBEDDED, limit)
+        assert not calls  # refused before the tokenizer saw it
+        completion_prompts(embedded_tokenizer, "a short prompt", VOCAB_EMBEDDED, limit)
+        assert calls  # the spy does see tokenizations
+    finally:
+        embedded_tokenizer.encode = real
 
 
 @pytest.mark.parametrize(
@@ -162,3 +193,16 @@ def test_without_dev_mode_there_are_no_control_routes():
     with TestClient(build_app(ServerConfig(dev_mode=False), start)) as client:
         assert client.post("/sleep").status_code == 404
         assert client.get("/v1/models").json()["data"][0]["id"] == "fake"
+
+
+@pytest.mark.parametrize(
+    "field", ["max_tokens", "n", "temperature", "top_k", "seed", "logprobs", "min_tokens", "stop_token_ids", "prompt"]
+)
+def test_a_boolean_is_not_a_number(fake, field):
+    """JSON's true is not 1: ``max_tokens: true`` is refused naming the field, not run as 1."""
+    client, _ = fake
+    value = [True] if field in ("stop_token_ids", "prompt") else True
+    body = {"prompt": [1, 2], "max_tokens": 2} | {field: value}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"] and "not the boolean true" in r.json()["error"]["message"]

@@ -6,15 +6,25 @@ errors name the field (a 400). Unknown fields are ignored, as OpenAI-compatible 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator
 
 # One HTTP request fans out into prompts x n engine requests; this bounds the fan-out.
 MAX_CHOICES = 128
 MAX_PROMPTS = 1024
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+
+def _not_a_bool(value: Any) -> Any:
+    # JSON's true is not 1: a number field given a boolean is refused, not read as 1.
+    if isinstance(value, bool):
+        raise ValueError(f"a number is expected, not the boolean {str(value).lower()}")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_a_bool)]
+Float = Annotated[float, BeforeValidator(_not_a_bool)]
+PromptInput = str | list[str] | list[Int] | list[list[Int]]
 
 
 class StreamOptions(BaseModel):
@@ -26,22 +36,22 @@ class SamplingFields(BaseModel):
     """Fields both routes share: OpenAI's, then vLLM's extras."""
 
     model: str | None = None  # None: the served model
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    n: Int = Field(1, ge=1, le=MAX_CHOICES)
+    temperature: Float | None = None
+    top_p: Float | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -53,8 +63,8 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = 16
-    logprobs: int | None = None  # top-n alternatives per token
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None  # top-n alternatives per token
 
 
 class ContentPart(BaseModel):
@@ -70,10 +80,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
 
 
@@ -83,7 +93,7 @@ class UpdateWeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model_path: str | None = None
     update_info: dict[str, Any] | None = None
-    weight_version: str | int | None = None  # None: the next version
+    weight_version: str | Int | None = None  # None: the next version
 
     @model_validator(mode="after")
     def _one_source(self) -> UpdateWeightsRequest:
@@ -104,7 +114,7 @@ class StartWeightUpdateRequest(BaseModel):
 
 class FinishWeightUpdateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    weight_version: str | int | None = None  # None: the next version, if the update wrote anything
+    weight_version: str | Int | None = None  # None: the next version, if the update wrote anything
 
 
 class AbortRequestsRequest(BaseModel):
