@@ -21,6 +21,8 @@ class HostEntry:
     version: str
     ready: bool = False  # False while its data is being copied in
     pins: int = 0
+    parent: BlockHash | None = None  # the entry before it in its chain (None: the chain's first)
+    children: int = 0  # entries here whose parent it is
 
 
 class HostTier:
@@ -54,12 +56,14 @@ class HostTier:
         """Present or on its way in."""
         return key in self._index
 
-    def reserve(self, key: BlockHash, version: str) -> HostEntry | None:
+    def reserve(self, key: BlockHash, version: str, parent: BlockHash | None = None) -> HostEntry | None:
         """A slot for a new entry (not ready until ``commit``); evicts if needed. None if all are pinned."""
         if not self._free_slots and not self._evict_one():
             return None
-        entry = HostEntry(self._free_slots.pop(), version)
+        entry = HostEntry(self._free_slots.pop(), version, parent=parent)
         self._index[key] = entry
+        if parent in self._index:
+            self._index[parent].children += 1
         return entry
 
     def commit(self, key: BlockHash) -> None:
@@ -77,6 +81,8 @@ class HostTier:
         entry = self._index.pop(key, None)
         if entry is not None:
             self._free_slots.append(entry.slot)
+            if entry.parent in self._index:
+                self._index[entry.parent].children -= 1
 
     def evict_where(self, predicate) -> int:
         """Drop unpinned ready entries matching ``predicate(key, entry)``; returns how many."""
@@ -90,9 +96,12 @@ class HostTier:
         return self.buffer[entry.slot]
 
     def _evict_one(self) -> bool:
-        for key, entry in self._index.items():  # least recently used first
-            if entry.ready and entry.pins == 0:
-                self.drop(key)
-                self.evictions += 1
-                return True
+        """The least recently used chain end: a lookup stops at the first missing entry, so an
+        entry evicted before the ones after it would strand them. Any entry if no end is free."""
+        for leaves_only in (True, False):
+            for key, entry in self._index.items():  # least recently used first
+                if entry.ready and entry.pins == 0 and not (leaves_only and entry.children):
+                    self.drop(key)
+                    self.evictions += 1
+                    return True
         return False

@@ -112,6 +112,7 @@ class StoreJob:
     key: BlockHash
     version: str
     blocks: list[Block]  # referenced until the copy is done, so never reused before
+    parent: BlockHash | None = None  # the entry before it in the request's chain
     entry: HostEntry | None = None
 
 
@@ -162,7 +163,8 @@ class OffloadingConnector(KVConnector):
         while b < limit and (b // k + 1) * k <= len(request.block_hashes):
             j = b // k
             key = request.block_hashes[(j + 1) * k - 1]
-            entry = self.host.lookup(key) or self._promote_from_disk(key)
+            parent = request.block_hashes[j * k - 1] if j else None
+            entry = self.host.lookup(key) or self._promote_from_disk(key, parent)
             if entry is None:
                 break
             self.host.pin(key)
@@ -173,14 +175,14 @@ class OffloadingConnector(KVConnector):
             self._matched[request.request_id] = pieces
         return (b - first) * bs
 
-    def _promote_from_disk(self, key: BlockHash) -> HostEntry | None:
+    def _promote_from_disk(self, key: BlockHash, parent: BlockHash | None) -> HostEntry | None:
         """Read a disk entry into a host slot; None if absent, damaged or no slot is free."""
         if self.disk is None or not self.disk.contains(key):
             return None
         data = self.disk.read(key)
         if data is None:
             return None
-        entry = self.host.reserve(key, self.ctx.weight_version)
+        entry = self.host.reserve(key, self.ctx.weight_version, parent)
         if entry is None:
             return None
         target = self.host.data(entry)
@@ -243,7 +245,8 @@ class OffloadingConnector(KVConnector):
                 continue
             blocks = [self.ctx.pool.blocks[i] for i in block_ids[j * k : (j + 1) * k]]
             self.ctx.pool.touch(blocks)
-            self._planned.append(StoreJob(request.request_id, key, self.ctx.weight_version, blocks))
+            parent = request.block_hashes[j * k - 1] if j else None
+            self._planned.append(StoreJob(request.request_id, key, self.ctx.weight_version, blocks, parent))
             self._store_keys.add(key)
         self._stored_upto[request.request_id] = max(start, full)
 
@@ -270,7 +273,7 @@ class OffloadingConnector(KVConnector):
         """A host slot for the store. When every slot is busy with stores on their way to the
         disk, the oldest are finished (landed in host memory, then written) rather than the
         store dropped while the disk has room. None only when loads pin every slot."""
-        entry = self.host.reserve(job.key, job.version)
+        entry = self.host.reserve(job.key, job.version, job.parent)
         while entry is None:
             if self._disk_writes:
                 self._retire_disk_write(*self._disk_writes.pop(0))
@@ -279,7 +282,7 @@ class OffloadingConnector(KVConnector):
                 self.poll()
             else:
                 return None
-            entry = self.host.reserve(job.key, job.version)
+            entry = self.host.reserve(job.key, job.version, job.parent)
         return entry
 
     def run_loads(self, transfers: StepTransfers, kv_cache: KVCache) -> None:

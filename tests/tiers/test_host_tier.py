@@ -80,3 +80,41 @@ def test_budget_never_exceeded_and_slots_unique(ops):
         for k, n in pins.items():
             if n:
                 assert t.contains(k)
+
+
+def _chain(t: HostTier, keys: list[bytes]) -> None:
+    parent = None
+    for key in keys:
+        t.reserve(key, "0", parent)
+        t.commit(key)
+        parent = key
+
+
+def _reachable(t: HostTier, keys: list[bytes]) -> int:
+    """What a lookup finds: entries from the chain's start up to the first missing one."""
+    found = 0
+    for key in keys:
+        if t.lookup(key) is None:
+            break
+        found += 1
+    return found
+
+
+def test_eviction_takes_chain_ends_first_so_no_prefix_is_stranded():
+    t = tier(5)
+    a, b = [b"a1", b"a2", b"a3"], [b"b1", b"b2"]
+    _chain(t, a)
+    _chain(t, b)
+    _chain(t, [b"c1"])  # full: evicts the least recently used end (a3), not a1
+    assert _reachable(t, a) == 2 and not t.contains(b"a3")
+    _chain(t, [b"d1", b"d2"])  # then b2 and a2 (ends as they become ends), never a chain's start first
+    stranded = [k for k in (*a, *b) if t.contains(k) and t._index[k].parent and not t.contains(t._index[k].parent)]
+    assert not stranded
+    assert _reachable(t, a) + _reachable(t, b) == sum(t.contains(k) for k in (*a, *b))
+
+
+def test_with_every_end_pinned_an_inner_entry_still_makes_room():
+    t = tier(2)
+    _chain(t, [b"x1", b"x2"])
+    t.pin(b"x2")
+    assert t.reserve(b"y", "0") is not None and not t.contains(b"x1")  # no store dropped for a chain's sake

@@ -549,3 +549,18 @@ def test_a_default_sleep_and_a_finished_weight_update_clear_the_disk_tier_too(tm
     llm.update_weights(list(llm.engine.source.iter_weights(llm.engine.runner.dtype)))
     llm.finish_weight_update()  # version 1: version 0's entries leave the disk as well
     assert len(connector.disk) == 0
+
+
+def test_a_full_host_tier_keeps_what_it_holds_reachable():
+    """Evicting chain ends first: every entry the host tier keeps is found by a lookup (its
+    chain's earlier entries are kept too), however many requests overflowed it."""
+    probe = engine(offload())
+    entry_bytes = probe.engine.connector.host.entry_bytes
+    del probe
+    llm = engine(offload(cpu_bytes_to_use=12 * entry_bytes))
+    generate(llm, prompts(6))
+    llm.engine.connector.wait_for_stores(llm.engine.runner.kv_cache)
+    host = llm.engine.connector.host
+    assert host.evictions > 0 and len(host) == 12
+    stranded = [k for k, e in host._index.items() if e.parent is not None and not host.contains(e.parent)]
+    assert not stranded
