@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from siesta.config import EngineConfig, KVTransferConfig, WeightTransferConfig
