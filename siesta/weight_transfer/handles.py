@@ -57,7 +57,9 @@ _ALLOWED_GLOBALS = {
 class _HandleUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _ALLOWED_GLOBALS:
-            raise WeightTransferError(f"ipc_handles_pickled names {module}.{name}, which is not part of a CUDA IPC handle")
+            raise WeightTransferError(
+                f"ipc_handles_pickled names {module}.{name}, which is not part of a CUDA IPC handle"
+            )
         return super().find_class(module, name)
 
 
@@ -154,7 +156,9 @@ class HandleOpener:
             raise WeightTransferError(f"a shared-memory handle names a file directly under {SHM_DIR}, got {path!r}")
         for key, value in (("offset", offset), ("nbytes", nbytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise WeightTransferError(f"a shared-memory handle's {key!r} must be a non-negative integer, got {value!r}")
+                raise WeightTransferError(
+                    f"a shared-memory handle's {key!r} must be a non-negative integer, got {value!r}"
+                )
         try:
             st = os.stat(path)
         except OSError as e:

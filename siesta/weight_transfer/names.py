@@ -40,7 +40,9 @@ def named_tensors(weights: Any) -> NamedTensors:
     return weights
 
 
-def checkpoint_tensors(weights: Any, dtype: torch.dtype | None = None, fuse: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(
+    weights: Any, dtype: torch.dtype | None = None, fuse: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Each weight once, detached and contiguous, under its checkpoint name (cast to ``dtype``)."""
     stream = _renamed(named_tensors(weights))
     if fuse:

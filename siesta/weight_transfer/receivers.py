@@ -102,7 +102,9 @@ class NcclReceiver(Receiver):
         try:
             if info.packed:
                 buckets = info.buckets()
-                scratch = torch.empty(max(sum(t.nbytes for t in b) for b in buckets), dtype=torch.uint8, device=self.device)
+                scratch = torch.empty(
+                    max(sum(t.nbytes for t in b) for b in buckets), dtype=torch.uint8, device=self.device
+                )
                 for bucket in buckets:
                     buffer = scratch[: sum(t.nbytes for t in bucket)]
                     group.broadcast(buffer)
@@ -114,7 +116,9 @@ class NcclReceiver(Receiver):
                     accept([(meta, tensor)])
         except (RuntimeError, TimeoutError) as e:
             self.close()  # a group with a failed collective is out of step: the trainer must init again
-            raise TransferFailed(f"the weight broadcast failed ({type(e).__name__}: {e}); init_weight_transfer_engine again") from e
+            raise TransferFailed(
+                f"the weight broadcast failed ({type(e).__name__}: {e}); init_weight_transfer_engine again"
+            ) from e
 
     def drain(self, info: UpdateInfo) -> None:
         if self.group is not None:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-
-from collections.abc import Iterable, Mapping
 
 from siesta.config import WeightTransferConfig
 from siesta.model.llama import CausalLM, WeightTarget
@@ -38,7 +37,9 @@ class UpdateFailed(RuntimeError):
 class WeightUpdater:
     """Writes into the model and keeps ``state``: whether its weights are whole."""
 
-    def __init__(self, config: WeightTransferConfig, model: CausalLM, device: torch.device, local_rank: int = 0) -> None:
+    def __init__(
+        self, config: WeightTransferConfig, model: CausalLM, device: torch.device, local_rank: int = 0
+    ) -> None:
         self.config = config
         self.model = model
         self.device = device
@@ -74,7 +75,9 @@ class WeightUpdater:
             return False
         idle = f"the weight update was left open for {self.config.timeout_s:g}s without a call or a finish"
         if self.state.written:
-            self.state.failed(f"{idle} after writing {len(self.state.written)} tensors", self.state.expected - self.state.written)
+            self.state.failed(
+                f"{idle} after writing {len(self.state.written)} tensors", self.state.expected - self.state.written
+            )
         logger.warning("%s; %s", idle, "its tensors are not whole" if self.state.written else "it wrote nothing")
         self.state.close()
         return True
@@ -114,7 +117,9 @@ class WeightUpdater:
         except Exception as e:
             self.state.wrote(written)
             if written:
-                self.state.failed(f"update_weights stopped after {len(written)} tensors ({e})", self.state.expected - written)
+                self.state.failed(
+                    f"update_weights stopped after {len(written)} tensors ({e})", self.state.expected - written
+                )
             raise
         self.state.wrote(written)
 

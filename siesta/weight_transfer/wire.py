@@ -83,7 +83,9 @@ class UpdateInfo:
 
     def buckets(self) -> list[list[TensorMeta]]:
         """The tensors of each packed bucket, cut as the sender cuts them."""
-        return [self.tensors[a:b] for a, b in bucket_bounds([t.nbytes for t in self.tensors], self.packed_buffer_size_bytes)]
+        return [
+            self.tensors[a:b] for a, b in bucket_bounds([t.nbytes for t in self.tensors], self.packed_buffer_size_bytes)
+        ]
 
 
 def bucket_bounds(sizes: list[int], buffer_bytes: int) -> list[tuple[int, int]]:
@@ -174,9 +176,7 @@ def _tensor_meta(name: Any, dtype: Any, shape: Any) -> TensorMeta:
     if not isinstance(name, str) or not name:
         raise WeightTransferError(f"tensor names must be non-empty strings, got {name!r}")
     if dtype not in WIRE_DTYPES:
-        raise WeightTransferError(
-            f"{name}: dtype {dtype!r} cannot be a weight; send one of {', '.join(WIRE_DTYPES)}"
-        )
+        raise WeightTransferError(f"{name}: dtype {dtype!r} cannot be a weight; send one of {', '.join(WIRE_DTYPES)}")
     if not isinstance(shape, (list, tuple)) or not all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
     ):

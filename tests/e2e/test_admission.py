@@ -49,7 +49,9 @@ def test_a_full_queue_answers_429_with_retry_after_and_serves_on(server):
     httpx.post(f"{server.url}/pause", params={"mode": "keep"}, timeout=30).raise_for_status()
     try:
         box = {}
-        held = threading.Thread(target=lambda: box.update(r=post(server, {"prompt": [3, 4], "n": WAITING, "max_tokens": 2})))
+        held = threading.Thread(
+            target=lambda: box.update(r=post(server, {"prompt": [3, 4], "n": WAITING, "max_tokens": 2}))
+        )
         held.start()
         wait_for(lambda: gauges(server)[1] == WAITING or "r" in box, what="the choices to wait")
         r = post(server, {"prompt": [5, 6], "max_tokens": 2})

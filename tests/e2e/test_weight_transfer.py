@@ -85,13 +85,29 @@ def test_pushes_over_http_make_the_server_the_trainers_model(server):
         ("/update_weights", {}, "exactly one of model_path"),
         ("/update_weights", {"update_info": {"names": ["x"]}, "model_path": "/m"}, "exactly one of model_path"),
         ("/update_weights", {"update_info": {"names": "x", "dtype_names": [], "shapes": []}}, "'names' as a list"),
-        ("/update_weights", {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["float32"],
-                                             "shapes": [[64]], "bogus": 1}}, "does not take: ['bogus']"),
-        ("/update_weights", {"update_info": {"names": ["model.nope.weight"], "dtype_names": ["float32"],
-                                             "shapes": [[64]], "ipc_handles": [{}]}}, "has no place"),
+        (
+            "/update_weights",
+            {"update_info": {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[64]], "bogus": 1}},
+            "does not take: ['bogus']",
+        ),
+        (
+            "/update_weights",
+            {
+                "update_info": {
+                    "names": ["model.nope.weight"],
+                    "dtype_names": ["float32"],
+                    "shapes": [[64]],
+                    "ipc_handles": [{}],
+                }
+            },
+            "has no place",
+        ),
         ("/init_weight_transfer_engine", {}, "init_info"),
-        ("/init_weight_transfer_engine", {"init_info": {"master_address": "127.0.0.1", "master_port": 0,
-                                                        "rank_offset": 1, "world_size": 2}}, ""),
+        (
+            "/init_weight_transfer_engine",
+            {"init_info": {"master_address": "127.0.0.1", "master_port": 0, "rank_offset": 1, "world_size": 2}},
+            "",
+        ),
         ("/start_weight_update", {"is_checkpoint_format": "yes"}, "is_checkpoint_format"),
         ("/finish_weight_update", {"weight_version": [1]}, "weight_version"),
     ],

@@ -51,6 +51,6 @@ def test_an_incomplete_group_travels_unfused():
 
 def test_tensors_are_cast_and_made_contiguous():
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()
-    (name, out), = checkpoint_tensors([("module.model.norm.weight", t)], dtype=torch.bfloat16)
+    ((name, out),) = checkpoint_tensors([("module.model.norm.weight", t)], dtype=torch.bfloat16)
     assert name == "model.norm.weight" and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert torch.equal(out.float(), t)

@@ -209,7 +209,9 @@ def _full_update_info(hf: torch.nn.Module, bucket_bytes: int) -> tuple[dict, int
 
 @pytest.mark.parametrize("mode", ["die-after", "hang-after"])
 def test_a_trainer_that_dies_or_hangs_mid_transfer_leaves_no_half_new_weights_in_use(mode):
-    llm = engine("nccl", kv_transfer_config=TIER, weight_transfer_config={"backend": "nccl", "timeout_s": HANG_TIMEOUT_S})
+    llm = engine(
+        "nccl", kv_transfer_config=TIER, weight_transfer_config={"backend": "nccl", "timeout_s": HANG_TIMEOUT_S}
+    )
     hf = trainer_model()
     engine_logprobs(llm)  # some KV in the tier, under version 0
     stores = llm.get_metrics()['siesta_kv_offload_store_bytes_total{tier="host"}']
