@@ -1,4 +1,5 @@
-"""Fuzz the generation routes from the server's own OpenAPI schema: never a 5xx, always healthy.
+"""Fuzz the generation and tokenizer routes from the server's own OpenAPI schema: never a 5xx,
+always healthy.
 
 Schemathesis draws bodies that fit the schema (positive) and bodies that break it (negative).
 Generation lengths are capped before sending so the run stays short on a CPU; every other
@@ -46,7 +47,7 @@ def _cap(body: object) -> None:
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
 def test_no_server_errors(schema, dev_server, path, mode):
     operation = schema[path]["POST"]
 

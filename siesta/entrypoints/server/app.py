@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from siesta import __version__
 from siesta.config import EngineConfig
-from siesta.entrypoints.server import chat, completions, dev_routes, info_routes, weight_routes
+from siesta.entrypoints.server import chat, completions, dev_routes, info_routes, tokenize_routes, weight_routes
 from siesta.entrypoints.server.async_llm import AsyncLLM
 from siesta.entrypoints.server.auth import ApiKeyMiddleware
 from siesta.entrypoints.server.errors import install_error_handlers
@@ -48,6 +48,7 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     app.include_router(info_routes.router)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(tokenize_routes.router)
     if config.dev_mode:
         app.include_router(dev_routes.router)
         app.include_router(weight_routes.router)
