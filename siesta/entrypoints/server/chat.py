@@ -18,7 +18,14 @@ from siesta.entrypoints.server.jsonio import AsciiJSONResponse
 from siesta.entrypoints.server.limits import check_fanout, content_chars
 from siesta.entrypoints.server.prompts import chat_prompt
 from siesta.entrypoints.server.protocol import ChatCompletionRequest
-from siesta.entrypoints.server.responses import json_logprob, token_text, top_entries, usage
+from siesta.entrypoints.server.responses import (
+    json_logprob,
+    token_text,
+    top_entries,
+    usage,
+    weight_version,
+    weight_versions,
+)
 from siesta.entrypoints.server.sampling_params import chat_params
 from siesta.entrypoints.server.state import request_id, server_state
 from siesta.output_processor import OutputProcessor
@@ -61,7 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         return StreamingResponse(events, media_type=EVENT_STREAM, background=BackgroundTask(generation.close))
     await collect(generation)
     choices = [_choice(c, body.return_token_ids) for c in generation.choices]
-    response = meta.envelope(choices, OBJECT) | {"usage": usage(generation)}
+    response = meta.envelope(choices, OBJECT) | {"usage": usage(generation), "weight_version": weight_version(generation)}
     if body.return_token_ids:  # vLLM's place for them: the response, not each choice (one prompt)
         response["prompt_token_ids"] = list(prompt.token_ids)
     return AsciiJSONResponse(response)
@@ -75,6 +82,7 @@ def _choice(choice: Choice, return_token_ids: bool) -> dict[str, Any]:
         "logprobs": _logprobs(choice, out.token_ids, out.logprobs),
         "finish_reason": choice.state.finish_reason,
         "stop_reason": choice.state.stop_reason,
+        "weight_versions": weight_versions(choice.state),
     }
     if return_token_ids:
         entry["token_ids"] = out.token_ids

@@ -18,7 +18,7 @@ from siesta.entrypoints.server.jsonio import AsciiJSONResponse
 from siesta.entrypoints.server.limits import check_fanout
 from siesta.entrypoints.server.prompts import completion_prompts, prompt_count
 from siesta.entrypoints.server.protocol import CompletionRequest
-from siesta.entrypoints.server.responses import json_logprob, token_text, usage
+from siesta.entrypoints.server.responses import json_logprob, token_text, usage, weight_version, weight_versions
 from siesta.entrypoints.server.sampling_params import completion_params
 from siesta.entrypoints.server.state import request_id, server_state
 from siesta.output_processor import OutputProcessor
@@ -59,12 +59,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return StreamingResponse(events, media_type=EVENT_STREAM, background=BackgroundTask(generation.close))
     await collect(generation)
     choices = [_choice(c, _LogprobWriter(), body.return_token_ids) for c in generation.choices]
-    return AsciiJSONResponse(meta.envelope(choices) | {"usage": usage(generation)})
+    extra = {"usage": usage(generation), "weight_version": weight_version(generation)}
+    return AsciiJSONResponse(meta.envelope(choices) | extra)
 
 
 def _choice(choice: Choice, logprobs: _LogprobWriter, return_token_ids: bool) -> dict[str, Any]:
     out = OutputProcessor.completion(choice.state)
     entry = _choice_json(choice, out.text, out.token_ids, out.logprobs, logprobs)
+    entry["weight_versions"] = weight_versions(choice.state)
     if return_token_ids:
         entry |= {"token_ids": out.token_ids, "prompt_token_ids": list(choice.prompt.token_ids)}
     return entry

@@ -1,4 +1,5 @@
-"""Pieces both OpenAI routes share: usage, logprob values JSON can carry, token texts."""
+"""Pieces both OpenAI routes share: usage, weight versions, logprob values JSON can carry,
+token texts."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 from typing import Any
 
 from siesta.entrypoints.server.async_llm import Generation
+from siesta.output_processor import RequestState
 from siesta.request import Logprob
 
 # JSON has no -inf; vLLM reports impossible tokens at this value.
@@ -27,6 +29,17 @@ def usage(generation: Generation) -> dict[str, Any]:
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+def weight_versions(state: RequestState) -> list[dict[str, Any]]:
+    """Which weights sampled which output tokens: [start, end) spans, one unless an update
+    landed while the request ran (issue: pause(keep) across a weight update)."""
+    return [{"weight_version": s.weight_version, "start": s.start, "end": s.end} for s in state.weight_versions]
+
+
+def weight_version(generation: Generation) -> str:
+    """The version of the weights the response's last tokens came from."""
+    return generation.choices[0].state.weight_version
 
 
 def token_text(entry: Logprob, token_id: int) -> str:

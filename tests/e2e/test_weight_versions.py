@@ -1,0 +1,44 @@
+"""Every response names its weights: the version of its last tokens, and per choice the spans of
+output tokens each version sampled (prime-rl's flow: pause keep, update, resume)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+
+from e2e.servers import wait_for
+from siesta.model.loader import default_model_path
+
+BODY = {"prompt": "Tell me a very long story about the sea.", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+
+
+def test_a_request_across_a_weight_update_reports_both_versions(dev_server):
+    with dev_server.client() as client:
+        before = client.weight_version()
+        assert httpx.get(f"{dev_server.url}/get_weight_version").json() == {"weight_version": before}
+        box = {}
+        thread = threading.Thread(
+            target=lambda: box.update(r=httpx.post(f"{dev_server.url}/v1/completions", json=BODY, timeout=120))
+        )
+        generated = dev_server.metrics()["siesta_generation_tokens_total"]
+        thread.start()
+        wait_for(lambda: dev_server.metrics()["siesta_generation_tokens_total"] >= generated + 8, what="some tokens")
+        client.pause(mode="keep", clear_cache=False)
+        after = client.update_weights(default_model_path())  # the same tensors: a new version all the same
+        client.finish_weight_update()
+        client.resume()
+        thread.join(120)
+    body = box["r"].json()
+    spans = body["choices"][0]["weight_versions"]
+    assert [s["weight_version"] for s in spans] == [before, after] and after != before
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 48
+    assert body["weight_version"] == after
+
+
+def test_an_ordinary_response_has_one_span(dev_server):
+    r = httpx.post(f"{dev_server.url}/v1/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True})  # fmt: skip
+    body = r.json()
+    version = body["weight_version"]
+    assert body["choices"][0]["weight_versions"] == [{"weight_version": version, "start": 0, "end": 4}]
