@@ -128,3 +128,14 @@ def test_a_text_too_long_to_fit_is_refused_untokenized(dev_server):
     assert r.status_code == 400 and "characters, so at least" in r.json()["error"]["message"]
     assert httpx.get(f"{dev_server.url}/health").status_code == 200
     assert time.monotonic() - t0 < 30  # never tokenized: 2.5M tokens would take far longer on the CPU
+
+
+def test_max_tokens_past_the_context_is_a_400_as_in_vllm(dev_server):
+    """Not a silent cut: an 8,190-token prompt with max_tokens 100 once returned 2 tokens."""
+    prompt = [5] * 1000  # the dev server's max_model_len is 1024
+    r = httpx.post(f"{dev_server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 100}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert "maximum context length is 1024 tokens" in r.json()["error"]["message"]
+    assert "1100 tokens (1000 in the prompt, 100 in the completion)" in r.json()["error"]["message"]
+    ok = httpx.post(f"{dev_server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 24}, timeout=60)
+    assert ok.status_code == 200

@@ -50,6 +50,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = await asyncio.to_thread(
         completion_prompts, state.llm.tokenizer, body.prompt, state.info.vocab_size, state.prompt_limit
     )
+    for prompt in prompts:
+        state.prompt_limit.check_completion(len(prompt.token_ids), params.max_tokens)
     meta = Meta(request_id(request, ID_PREFIX), model)
     generation = await state.llm.generate(meta.id, prompts, params, body.cache_salt)
     abort_on_disconnect(request, generation)

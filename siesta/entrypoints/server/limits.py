@@ -104,6 +104,17 @@ class PromptLimit:
                 param,
             )
 
+    def check_completion(self, prompt_tokens: int, max_tokens: int | None) -> None:
+        """vLLM's answer to a max_tokens that does not fit beside the prompt: a 400, not a cut."""
+        if max_tokens is not None and prompt_tokens + max_tokens > self.max_model_len:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
+                "completion). Please reduce the length of the prompt or max_tokens.",
+                "max_tokens",
+            )
+
     def check_ids(self, count: int, param: str) -> None:
         if count >= self.max_model_len:
             raise APIError(
