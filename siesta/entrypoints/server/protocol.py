@@ -1,11 +1,14 @@
 """Request bodies of the OpenAI routes, with the extra sampling fields vLLM accepts.
 
 The models check types only; value ranges are checked once, by ``SamplingParams``, whose
-errors name the field (a 400). Unknown fields are ignored, as OpenAI-compatible servers do.
+errors name the field (a 400). A field of OpenAI's or vLLM's that siesta does not implement
+is refused by name unless it is off (null, false, empty, or its default), so a client never
+silently gets less than it asked for; a field no one defines is ignored with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator
@@ -32,8 +35,40 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
+# OpenAI's and vLLM's fields siesta does not implement (yet), with the value that means off.
+_OFF: Any = None
+NOT_IMPLEMENTED: dict[str, Any] = {
+    "best_of": 1, "logit_bias": _OFF, "suffix": _OFF, "echo": False, "prompt_logprobs": _OFF,
+    "return_tokens_as_token_ids": False, "response_format": {"type": "text"}, "tools": _OFF, "tool_choice": "none",
+    "parallel_tool_calls": _OFF, "functions": _OFF, "function_call": _OFF, "guided_json": _OFF,
+    "guided_regex": _OFF, "guided_choice": _OFF, "guided_grammar": _OFF, "structured_outputs": _OFF,
+    "allowed_token_ids": _OFF, "bad_words": _OFF, "truncate_prompt_tokens": _OFF, "use_beam_search": False,
+    "length_penalty": 1.0, "priority": 0, "kv_transfer_params": _OFF, "vllm_xargs": _OFF, "audio": _OFF,
+    "modalities": _OFF, "prediction": _OFF, "reasoning_effort": _OFF, "chat_template": _OFF,
+    "chat_template_kwargs": _OFF, "continue_final_message": False, "documents": _OFF, "mm_processor_kwargs": _OFF,
+    "web_search_options": _OFF, "top_logprobs_num": _OFF, "return_logprob": False,
+}  # fmt: skip
+logger = logging.getLogger(__name__)
+
+
+def _is_off(name: str, value: Any) -> bool:
+    return value is None or value is False or value in ([], {}, "") or value == NOT_IMPLEMENTED[name]
+
+
 class SamplingFields(BaseModel):
     """Fields both routes share: OpenAI's, then vLLM's extras."""
+
+    model_config = ConfigDict(extra="allow")  # looked at, then refused or ignored: below
+
+    @model_validator(mode="after")
+    def _refuse_what_siesta_does_not_do(self) -> SamplingFields:
+        for name, value in (self.model_extra or {}).items():
+            if name in NOT_IMPLEMENTED:
+                if not _is_off(name, value):
+                    raise ValueError(f"{name} is not supported by siesta yet; leave it out")
+            else:
+                logger.warning("ignoring the unknown request field %r", name)
+        return self
 
     model: str | None = None  # None: the served model
     n: Int = Field(1, ge=1, le=MAX_CHOICES)
