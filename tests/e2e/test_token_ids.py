@@ -144,3 +144,19 @@ def test_no_ids_unless_asked(http):
         for flag in ({}, {"return_token_ids": False}):
             assert not _keys(_post(http, path, body | flag)) & TOKEN_FIELDS
             assert not _keys(_stream(http, path, body | flag)) & TOKEN_FIELDS
+
+
+def test_logprob_tokens_as_token_ids_on_both_routes(dev_server):
+    """vLLM's return_tokens_as_token_ids: each logprob token reads ``token_id:<id>``, the id
+    being the sampled one (and the alternatives' their own)."""
+    base = {"max_tokens": 6, "temperature": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    comp = httpx.post(f"{dev_server.url}/v1/completions", json=base | {"prompt": "The sea is", "logprobs": 2},
+                      timeout=60).json()["choices"][0]  # fmt: skip
+    assert comp["logprobs"]["tokens"] == [f"token_id:{t}" for t in comp["token_ids"]]
+    assert all(all(k.startswith("token_id:") for k in top) for top in comp["logprobs"]["top_logprobs"])
+    chat = httpx.post(f"{dev_server.url}/v1/chat/completions", timeout=60,
+                      json=base | {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                                   "top_logprobs": 2}).json()["choices"][0]  # fmt: skip
+    content = chat["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])

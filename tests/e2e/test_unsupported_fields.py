@@ -15,7 +15,6 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     [
         ("/v1/completions", COMPLETION, "echo", True),
         ("/v1/completions", COMPLETION, "prompt_logprobs", 1),
-        ("/v1/completions", COMPLETION, "return_tokens_as_token_ids", True),
         ("/v1/completions", COMPLETION, "logit_bias", {"50": 10}),
         ("/v1/completions", COMPLETION, "best_of", 3),
         ("/v1/chat/completions", CHAT, "response_format", {"type": "json_object"}),

@@ -64,23 +64,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     generation = await state.llm.generate(meta.id, [prompt], params, body.cache_salt)
     abort_on_disconnect(request, generation)
     if body.stream:
-        writer = _DeltaWriter(meta, body.return_token_ids)
+        writer = _DeltaWriter(meta, body.return_token_ids, body.return_tokens_as_token_ids)
         events = stream_events(generation, writer.chunks, meta.envelope, body.stream_options)
         return StreamingResponse(events, media_type=EVENT_STREAM, background=BackgroundTask(generation.close))
     await collect(generation)
-    choices = [_choice(c, body.return_token_ids) for c in generation.choices]
+    choices = [_choice(c, body.return_token_ids, body.return_tokens_as_token_ids) for c in generation.choices]
     response = meta.envelope(choices, OBJECT) | {"usage": usage(generation), "weight_version": weight_version(generation)}
     if body.return_token_ids:  # vLLM's place for them: the response, not each choice (one prompt)
         response["prompt_token_ids"] = list(prompt.token_ids)
     return AsciiJSONResponse(response)
 
 
-def _choice(choice: Choice, return_token_ids: bool) -> dict[str, Any]:
+def _choice(choice: Choice, return_token_ids: bool, as_ids: bool = False) -> dict[str, Any]:
     out = OutputProcessor.completion(choice.state)
     entry = {
         "index": choice.index,
         "message": {"role": ROLE, "content": out.text},
-        "logprobs": _logprobs(choice, out.token_ids, out.logprobs),
+        "logprobs": _logprobs(choice, out.token_ids, out.logprobs, as_ids),
         "finish_reason": choice.state.finish_reason,
         "stop_reason": choice.state.stop_reason,
         "weight_versions": weight_versions(choice.state),
@@ -97,9 +97,10 @@ class _DeltaWriter:
     choice's first chunk the prompt's ``prompt_token_ids`` (on the chunk, as vLLM sends them).
     """
 
-    def __init__(self, meta: Meta, return_token_ids: bool = False) -> None:
+    def __init__(self, meta: Meta, return_token_ids: bool = False, as_ids: bool = False) -> None:
         self.meta = meta
         self.return_token_ids = return_token_ids
+        self.as_ids = as_ids
         self.started: set[int] = set()
 
     def chunks(self, changed: list[Choice]) -> list[dict[str, Any]]:
@@ -114,7 +115,7 @@ class _DeltaWriter:
             entry = {
                 "index": choice.index,
                 "delta": message,
-                "logprobs": _logprobs(choice, delta.token_ids, delta.logprobs),
+                "logprobs": _logprobs(choice, delta.token_ids, delta.logprobs, self.as_ids),
                 "finish_reason": choice.state.finish_reason,
                 "stop_reason": choice.state.stop_reason,
             }
@@ -127,17 +128,19 @@ class _DeltaWriter:
         return out
 
 
-def _logprobs(choice: Choice, token_ids: list[int], entries: list[dict[int, Logprob]] | None) -> dict[str, Any] | None:
+def _logprobs(
+    choice: Choice, token_ids: list[int], entries: list[dict[int, Logprob]] | None, as_ids: bool = False
+) -> dict[str, Any] | None:
     if entries is None:
         return None
     limit = choice.state.params.logprobs or 0
     content = []
     for token_id, entry in zip(token_ids, entries):
-        top = [_token_json(tid, lp) for tid, lp in top_entries(entry, limit)]
-        content.append(_token_json(token_id, entry[token_id]) | {"top_logprobs": top})
+        top = [_token_json(tid, lp, as_ids) for tid, lp in top_entries(entry, limit)]
+        content.append(_token_json(token_id, entry[token_id], as_ids) | {"top_logprobs": top})
     return {"content": content}
 
 
-def _token_json(token_id: int, entry: Logprob) -> dict[str, Any]:
-    text = token_text(entry, token_id)
+def _token_json(token_id: int, entry: Logprob, as_id: bool = False) -> dict[str, Any]:
+    text = token_text(entry, token_id, as_id)
     return {"token": text, "logprob": json_logprob(entry.logprob), "bytes": list(text.encode("utf-8", "replace"))}

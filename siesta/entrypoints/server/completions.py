@@ -56,11 +56,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     generation = await state.llm.generate(meta.id, prompts, params, body.cache_salt)
     abort_on_disconnect(request, generation)
     if body.stream:
-        writer = _ChunkWriter(meta, body.return_token_ids)
+        writer = _ChunkWriter(meta, body.return_token_ids, body.return_tokens_as_token_ids)
         events = stream_events(generation, writer.chunks, meta.envelope, body.stream_options)
         return StreamingResponse(events, media_type=EVENT_STREAM, background=BackgroundTask(generation.close))
     await collect(generation)
-    choices = [_choice(c, _LogprobWriter(), body.return_token_ids) for c in generation.choices]
+    as_ids = body.return_tokens_as_token_ids
+    choices = [_choice(c, _LogprobWriter(as_ids), body.return_token_ids) for c in generation.choices]
     extra = {"usage": usage(generation), "weight_version": weight_version(generation)}
     return AsciiJSONResponse(meta.envelope(choices) | extra)
 
@@ -92,9 +93,10 @@ class _ChunkWriter:
     first chunk its ``prompt_token_ids`` (null in the later ones), as vLLM's stream does.
     """
 
-    def __init__(self, meta: Meta, return_token_ids: bool = False) -> None:
+    def __init__(self, meta: Meta, return_token_ids: bool = False, as_ids: bool = False) -> None:
         self.meta = meta
         self.return_token_ids = return_token_ids
+        self.as_ids = as_ids
         self.logprobs: dict[int, _LogprobWriter] = {}
 
     def chunks(self, changed: list[Choice]) -> list[dict[str, Any]]:
@@ -104,7 +106,7 @@ class _ChunkWriter:
             if not (delta.text or delta.token_ids or delta.finish_reason):
                 continue
             first = choice.index not in self.logprobs
-            writer = self.logprobs.setdefault(choice.index, _LogprobWriter())
+            writer = self.logprobs.setdefault(choice.index, _LogprobWriter(self.as_ids))
             entry = _choice_json(choice, delta.text, delta.token_ids, delta.logprobs, writer)
             if self.return_token_ids:
                 prompt_ids = list(choice.prompt.token_ids) if first else None
@@ -116,17 +118,18 @@ class _ChunkWriter:
 class _LogprobWriter:
     """OpenAI's legacy logprobs object: tokens, their logprobs, top alternatives, text offsets."""
 
-    def __init__(self) -> None:
+    def __init__(self, as_ids: bool = False) -> None:
         self.offset = 0
+        self.as_ids = as_ids  # return_tokens_as_token_ids
 
     def format(self, token_ids: list[int], entries: list) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, entries):
             sampled = entry[token_id]
-            text = token_text(sampled, token_id)
+            text = token_text(sampled, token_id, self.as_ids)
             tokens.append(text)
             token_logprobs.append(json_logprob(sampled.logprob))
-            top.append({token_text(lp, tid): json_logprob(lp.logprob) for tid, lp in entry.items()})
+            top.append({token_text(lp, tid, self.as_ids): json_logprob(lp.logprob) for tid, lp in entry.items()})
             offsets.append(self.offset)
             self.offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

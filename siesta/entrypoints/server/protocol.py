@@ -39,7 +39,7 @@ class StreamOptions(BaseModel):
 _OFF: Any = None
 NOT_IMPLEMENTED: dict[str, Any] = {
     "best_of": 1, "logit_bias": _OFF, "suffix": _OFF, "echo": False, "prompt_logprobs": _OFF,
-    "return_tokens_as_token_ids": False, "response_format": {"type": "text"}, "tools": _OFF, "tool_choice": "none",
+    "response_format": {"type": "text"}, "tools": _OFF, "tool_choice": "none",
     "parallel_tool_calls": _OFF, "functions": _OFF, "function_call": _OFF, "guided_json": _OFF,
     "guided_regex": _OFF, "guided_choice": _OFF, "guided_grammar": _OFF, "structured_outputs": _OFF,
     "allowed_token_ids": _OFF, "bad_words": _OFF, "truncate_prompt_tokens": _OFF, "use_beam_search": False,
@@ -94,6 +94,8 @@ class SamplingFields(BaseModel):
     # vLLM's: the prompt's token ids and the generated ones beside the text (streamed: each
     # chunk's ids, the prompt's in a choice's first chunk).
     return_token_ids: bool = False
+    # vLLM's: logprob tokens as "token_id:<id>" (text that does not round-trip is no use to RL).
+    return_tokens_as_token_ids: bool = False
 
 
 class CompletionRequest(SamplingFields):

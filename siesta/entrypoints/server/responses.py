@@ -42,9 +42,12 @@ def weight_version(generation: Generation) -> str:
     return generation.choices[0].state.weight_version
 
 
-def token_text(entry: Logprob, token_id: int) -> str:
-    """A token as text; without a tokenizer, vLLM's ``token_id:<id>`` form."""
-    return entry.decoded_token if entry.decoded_token is not None else f"token_id:{token_id}"
+def token_text(entry: Logprob, token_id: int, as_id: bool = False) -> str:
+    """A token as text; as vLLM's ``token_id:<id>`` without a tokenizer, or when the request
+    asked for ``return_tokens_as_token_ids`` (text that does not round-trip is no use to RL)."""
+    if as_id or entry.decoded_token is None:
+        return f"token_id:{token_id}"
+    return entry.decoded_token
 
 
 def top_entries(entries: dict[int, Logprob], limit: int) -> list[tuple[int, Logprob]]:
