@@ -62,7 +62,7 @@ class OutputProcessor:
 
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestState], list[str]]:
         """Apply core outputs; returns the states that changed and the ids the core must abort (stop strings)."""
-        changed: list[RequestState] = []
+        changed: dict[str, RequestState] = {}  # each once, in order: one batch may hold several steps
         to_abort: list[str] = []
         now = time.monotonic()
         for out in outputs:
@@ -74,8 +74,8 @@ class OutputProcessor:
                 to_abort.append(state.request_id)
             if state.finished:
                 self._finish(state, now)
-            changed.append(state)
-        return changed, to_abort
+            changed[state.request_id] = state
+        return list(changed.values()), to_abort
 
     def _apply(self, state: RequestState, out: EngineCoreOutput, now: float) -> None:
         state.num_cached_tokens = out.num_cached_tokens

@@ -6,6 +6,8 @@ chunks concatenate to the non-streamed ids; without the field nothing new appear
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -160,3 +162,17 @@ def test_logprob_tokens_as_token_ids_on_both_routes(dev_server):
     content = chat["logprobs"]["content"]
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat["token_ids"]]
     assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_each_streamed_choice_finishes_in_exactly_one_chunk(dev_server, route):
+    body = {"max_tokens": 8, "n": 4, "ignore_eos": True, "stream": True}
+    body |= {"prompt": "The sea"} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    finishing: dict[int, int] = {}
+    with httpx.stream("POST", f"{dev_server.url}{route}", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[len("data: ") :])["choices"]:
+                    if choice["finish_reason"] is not None:
+                        finishing[choice["index"]] = finishing.get(choice["index"], 0) + 1
+    assert finishing == {0: 1, 1: 1, 2: 1, 3: 1}
