@@ -16,7 +16,7 @@ import pytest
 from e2e.servers import single_thread, start_server, stop_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import rl_loop  # noqa: E402 - the example lives outside the package
+import rl_loop
 
 ITERATIONS = 2
 LOGPROB_TOLERANCE = 1e-3  # fp32 on both sides, temperature 1, no top-p/top-k
@@ -27,7 +27,7 @@ CFG = rl_loop.LoopConfig(tasks=4, group_size=4, max_tokens=6, paused_samples=2, 
 @pytest.fixture(scope="module")
 def loop():
     with ThreadPoolExecutor(1) as pool:
-        model = pool.submit(rl_loop.load_trainer_model)  # transformers' GGUF loader takes a while
+        model = pool.submit(rl_loop.load_trainer_model)  # loads while the server starts
         server = start_server(*rl_loop.server_flags())
         model = model.result()
     try:
