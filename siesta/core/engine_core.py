@@ -112,6 +112,7 @@ class EngineCore:
         self._pause_done = False
         self._pause_resets: tuple[bool, bool] = (False, False)  # (prefix cache, connector) to clear once paused
         self._sleep_level: int | None = None
+        self._sleep_releases: list[str] = list(WAKE_TAGS)  # what this sleep releases (level >= 1)
         self.updater = WeightUpdater(config.weight_transfer, self.runner.model, self.runner.device)
         # Whole weights of one version, or why not; an open weight update holds every step.
         self.weights = self.updater.state
@@ -393,9 +394,12 @@ class EngineCore:
 
     # -- sleep / wake ------------------------------------------------------------------
 
-    def sleep(self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True) -> None:
+    def sleep(
+        self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True, tags: list[str] | None = None
+    ) -> None:
         """Pause, then hand device memory back: level 1 keeps the weights in host memory and
-        releases the KV cache, level 2 releases both, level 0 only pauses.
+        releases the KV cache, level 2 releases both, level 0 only pauses. ``tags`` narrows
+        what level 1 or 2 releases (SGLang's ``["kv_cache"]`` keeps the weights on the device).
 
         With ``mode="wait"`` the memory is released once in-flight requests finish; poll
         ``is_sleeping()``.
@@ -405,6 +409,7 @@ class EngineCore:
             raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        release = _check_tags(tags, "sleep")
         self.check_connector_retention(clear_connector_cache)
         if self._sleep_level is not None:
             raise EngineStateError(f"the engine is already asleep (level {self._sleep_level}); wake_up() first")
@@ -413,7 +418,7 @@ class EngineCore:
             self.pause(mode, clear_cache=level >= 1, clear_connector_cache=clear_connector_cache)
         elif level >= 1 or clear_connector_cache:
             self._reset_caches(level >= 1, clear_connector_cache)
-        self._sleep_level = level
+        self._sleep_level, self._sleep_releases = level, release
         if self.is_paused():
             self._release_memory()
 
@@ -425,12 +430,14 @@ class EngineCore:
             if self.connector is not None:
                 self.connector.wait_for_stores(self.runner.kv_cache)  # nothing may read the cache once it is gone
             self.memory_reports["sleep_kv_cache"] = self.memory.release_kv_cache()
+            released = self.memory_reports["sleep_kv_cache"].bytes
             if not self.memory.keeps_addresses:
                 self.runner.memory_moved()
-            self.memory_reports["sleep_weights"] = self.memory.release_weights(backup=level == 1)
-            released = self.memory_reports["sleep_kv_cache"].bytes + self.memory_reports["sleep_weights"].bytes
-            if level == 2:
-                self.weights.released()
+            if "weights" in self._sleep_releases:
+                self.memory_reports["sleep_weights"] = self.memory.release_weights(backup=level == 1)
+                released += self.memory_reports["sleep_weights"].bytes
+                if level == 2:
+                    self.weights.released()
         self.stats.inc("sleeps", level=str(level))
         self.stats.inc("sleep_seconds", time.perf_counter() - t0)
         self.stats.set("device_bytes_released", released)
@@ -445,10 +452,7 @@ class EngineCore:
         Once both are back the engine resumes. Weights released at level 2 must be
         written (update_weights) before that, or they are reloaded from the model source.
         """
-        tags = list(WAKE_TAGS) if tags is None else list(tags)
-        unknown = sorted(set(tags) - set(WAKE_TAGS))
-        if unknown:
-            raise ValueError(f"unknown wake_up tags {unknown}: expected any of {', '.join(WAKE_TAGS)}")
+        tags = _check_tags(tags, "wake_up")
         if self._sleep_level is None:
             return
         t0 = time.perf_counter()
@@ -599,3 +603,15 @@ class EngineCore:
         if reset_connector and self.connector is not None:
             self.connector.reset_cache()
         return True
+
+
+def _check_tags(tags: list[str] | None, call: str) -> list[str]:
+    """The memory kinds a sleep releases or a wake-up restores; None: both."""
+    tags = list(WAKE_TAGS) if tags is None else list(tags)
+    unknown = sorted(set(tags) - set(WAKE_TAGS))
+    if unknown:
+        raise ValueError(f"unknown {call} tags {unknown}: expected any of {', '.join(WAKE_TAGS)}")
+    if call == "sleep" and "kv_cache" not in tags:
+        # The weights cannot leave while the KV cache stays: a wake-up restores weights first.
+        raise ValueError(f"sleep tags {tags} must include kv_cache: the KV cache is released with anything")
+    return tags

@@ -232,9 +232,11 @@ class LLM:
     def is_paused(self) -> bool:
         return self.engine.is_paused()
 
-    def sleep(self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True) -> None:
+    def sleep(
+        self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True, tags: list[str] | None = None
+    ) -> None:
         """Pause and hand device memory back (see ``EngineCore.sleep``)."""
-        self.engine.sleep(level, mode, clear_connector_cache)
+        self.engine.sleep(level, mode, clear_connector_cache, tags)
         self._drain()
 
     def wake_up(self, tags: list[str] | None = None) -> None:

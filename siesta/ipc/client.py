@@ -313,8 +313,10 @@ class EngineCoreClient:
     async def is_paused(self) -> bool:
         return bool(await self.call(IsPaused()))
 
-    async def sleep(self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True) -> None:
-        await self.call(Sleep(level=level, mode=mode, clear_connector_cache=clear_connector_cache))
+    async def sleep(
+        self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True, tags: list[str] | None = None
+    ) -> None:
+        await self.call(Sleep(level=level, mode=mode, clear_connector_cache=clear_connector_cache, tags=tags))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self.call(WakeUp(tags=tags))

@@ -117,7 +117,7 @@ class CallHandler:
         return Outcome(ends_pauses=True)
 
     def _sleep(self, call: Sleep) -> Outcome:
-        self.engine.sleep(call.level, call.mode, call.clear_connector_cache)
+        self.engine.sleep(call.level, call.mode, call.clear_connector_cache, call.tags)
         return self._maybe_deferred(call.mode)
 
     def _wake_up(self, call: WakeUp) -> Outcome:
@@ -165,4 +165,5 @@ def engine_info(engine: Any) -> EngineInfo:
         num_blocks=engine.kv.pool.num_blocks,
         weight_version=engine.weight_version,
         pid=os.getpid(),
+        retains_tier=engine.connector is None or engine.connector.supports_retained_cache_on_pause,
     )

@@ -70,6 +70,7 @@ class Sleep(CoreCall, tag="sleep", omit_defaults=True):
     level: int = 1
     mode: str = "abort"
     clear_connector_cache: bool = True
+    tags: list[str] | None = None  # what level >= 1 releases; None: weights and KV cache
 
 
 class WakeUp(CoreCall, tag="wake_up", omit_defaults=True):
@@ -137,6 +138,8 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     num_blocks: int
     weight_version: str = "0"
     pid: int = 0
+    # Whether the KV tiers can be kept through a pause or sleep (clear_connector_cache=False).
+    retains_tier: bool = True
 
 
 class RemoteError(msgspec.Struct, omit_defaults=True):

@@ -62,7 +62,7 @@ class FakeEngine:
         else:
             self.paused = True
 
-    def sleep(self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True, tags=None) -> None:
         self.pause(mode, True, clear_connector_cache)
         self.sleeping = True
 

@@ -18,6 +18,9 @@ from siesta.entrypoints.server.auth import ApiKeyMiddleware
 from siesta.entrypoints.server.errors import install_error_handlers
 from siesta.entrypoints.server.jsonio import AsciiJSONResponse
 from siesta.entrypoints.server.limits import BodySizeLimit, PromptLimit
+from siesta.entrypoints.server.sglang import control as sglang_control
+from siesta.entrypoints.server.sglang import generate as sglang_generate
+from siesta.entrypoints.server.sglang import info as sglang_info
 from siesta.entrypoints.server.state import ServerConfig, ServerState
 from siesta.ipc.client import EngineCoreClient
 from siesta.model.loader import resolve_model
@@ -49,9 +52,12 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(tokenize_routes.router)
+    app.include_router(sglang_generate.router)
+    app.include_router(sglang_info.router)
     if config.dev_mode:
         app.include_router(dev_routes.router)
         app.include_router(weight_routes.router)
+        app.include_router(sglang_control.router)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)  # outermost: before any parsing

@@ -104,12 +104,26 @@ class AsyncLLM:
         self._live: dict[str, Generation] = {}
 
     async def generate(
-        self, request_id: str, prompts: list[TokenizedPrompt], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompts: list[TokenizedPrompt],
+        params: SamplingParams | list[SamplingParams],
+        cache_salt: str | None = None,
+        choice_ids: list[str] | None = None,
     ) -> Generation:
-        """Queue every choice in the core; raises (RequestRejected, ...) with nothing left behind."""
+        """Queue every choice in the core; raises (RequestRejected, ...) with nothing left behind.
+
+        ``params`` is one for all prompts or one per prompt (SGLang's batches); every prompt
+        gets the same n. ``choice_ids`` names the engine requests (SGLang's ``rid``), prompt
+        by prompt and sample by sample; by default they derive from ``request_id``.
+        """
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
-        plan = _plan(request_id, prompts, params)
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        plan = _plan(request_id, prompts, per_prompt, choice_ids)
+        taken = [p.request_id for p in plan if p.request_id in self.processor.states]
+        if taken or len({p.request_id for p in plan}) != len(plan):
+            raise ValueError(f"request id {(taken or [request_id])[0]!r} is already in use")
         stream = self.core.open_stream(p.request_id for p in plan)
         choices = [
             Choice(
@@ -142,14 +156,31 @@ class AsyncLLM:
             engine_ids.extend([c.request_id for c in generation.choices] if generation else [rid])
         await self.core.abort_requests(engine_ids)
 
+    async def abort_all(self) -> int:
+        """Abort every request this server has in flight; returns how many engine requests."""
+        engine_ids = [c.request_id for g in self._live.values() for c in g.choices if not c.state.finished]
+        if engine_ids:
+            await self.core.abort_requests(engine_ids)
+        return len(engine_ids)
 
-def _plan(request_id: str, prompts: list[TokenizedPrompt], params: SamplingParams) -> list[_Planned]:
+
+def _plan(
+    request_id: str, prompts: list[TokenizedPrompt], params: list[SamplingParams], choice_ids: list[str] | None
+) -> list[_Planned]:
     """Every choice: its engine request id (the HTTP id itself when there is one choice)."""
-    single = len(prompts) == 1 and params.n == 1
+    n = params[0].n
+    if len(params) != len(prompts) or any(p.n != n for p in params):
+        raise ValueError("every prompt of a request must have its own params and the same n")
+    if choice_ids is not None and len(choice_ids) != len(prompts) * n:
+        raise ValueError(f"{len(choice_ids)} request ids for {len(prompts) * n} choices")
+    single = len(prompts) == 1 and n == 1
     plan = []
-    for p_index, prompt in enumerate(prompts):
-        for sample in range(params.n):
-            index = p_index * params.n + sample
+    for p_index, (prompt, prompt_params) in enumerate(zip(prompts, params)):
+        for sample in range(n):
+            index = p_index * n + sample
             rid = request_id if single else f"{request_id}-{index}"
-            plan.append(_Planned(rid, index, prompt, params if params.n == 1 else child_params(params, sample)))
+            if choice_ids is not None:
+                rid = choice_ids[index]
+            child = prompt_params if n == 1 else child_params(prompt_params, sample)
+            plan.append(_Planned(rid, index, prompt, child))
     return plan

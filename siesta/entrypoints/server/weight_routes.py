@@ -61,6 +61,5 @@ async def get_world_size(request: Request) -> dict[str, int]:
 
 
 @router.get("/weight_version")
-@router.get("/get_weight_version")  # SGLang's name
 async def weight_version(request: Request) -> dict[str, str]:
     return {"weight_version": (await _core(request).get_info()).weight_version}
