@@ -13,6 +13,7 @@ from conftest import hf_greedy, hf_twin
 
 from siesta import LLM, SamplingParams
 from siesta.core.scheduler import Scheduler
+from siesta.model.loader import resolve_model
 
 MODEL = "random:tiny-llama"
 VOCAB = 1024
@@ -32,7 +33,7 @@ def engine(**kw) -> LLM:
 
 @pytest.fixture(scope="module")
 def hf():
-    return hf_twin(engine(max_num_batched_tokens=None).engine.source)
+    return hf_twin(resolve_model(MODEL))
 
 
 @pytest.fixture(scope="module")
