@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from siesta.metrics import MetricsRegistry
-from siesta.request import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput, WeightVersionSpan
+from siesta.request import CompletionOutput, EngineCoreOutput, Logprob, PromptLogprobs, RequestOutput, WeightVersionSpan
 from siesta.sampling import SamplingParams
 from siesta.tokenizer import IncrementalDetokenizer, find_stop
 
@@ -25,6 +25,8 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # One entry per prompt token scored so far (None for the first), when asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -57,6 +59,8 @@ class OutputProcessor:
         state = RequestState(request_id, prompt, prompt_token_ids, params, detok)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # nothing precedes the first prompt token
         self.states[request_id] = state
         return state
 
@@ -89,6 +93,8 @@ class OutputProcessor:
         if out.new_token_ids:
             self._extend_spans(state, out.weight_version, len(out.new_token_ids))
         state.token_ids.extend(out.new_token_ids)
+        if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+            self._extend_prompt_logprobs(state, out.prompt_logprobs)
         if out.new_logprobs and state.logprobs is not None:
             for lp in out.new_logprobs:
                 state.logprobs.append(self._logprob_dict(lp.token_id, lp.logprob, lp.rank, lp.top))
@@ -122,11 +128,30 @@ class OutputProcessor:
         return True
 
     def _logprob_dict(self, token_id: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
-        entry = {tid: Logprob(lp, rank=i + 1, decoded_token=self._decode_one(tid)) for i, (tid, lp) in enumerate(top)}
-        entry[token_id] = Logprob(logprob, rank=rank, decoded_token=self._decode_one(token_id))
+        entry = {tid: Logprob(lp, rank=i + 1, decoded_token=self.decode_token(tid)) for i, (tid, lp) in enumerate(top)}
+        entry[token_id] = Logprob(logprob, rank=rank, decoded_token=self.decode_token(token_id))
         return entry
 
-    def _decode_one(self, token_id: int) -> str | None:
+    def _extend_prompt_logprobs(self, state: RequestState, scores: PromptLogprobs) -> None:
+        """vLLM's order: the prompt token first, then the top-n by rank (the prompt token among
+        them keeps its place and takes its top-n rank, which is its rank)."""
+        decoded: dict[int, str | None] = {}  # a chunk's top-n repeat the same few tokens
+
+        def logprob(token_id: int, value: float, rank: int) -> Logprob:
+            if token_id not in decoded:
+                decoded[token_id] = self.decode_token(token_id)
+            return Logprob(value, rank=rank, decoded_token=decoded[token_id])
+
+        prompt = state.prompt_token_ids
+        for j, (value, rank) in enumerate(zip(scores.logprobs, scores.ranks)):
+            token_id = prompt[scores.start + j]
+            entry = {token_id: logprob(token_id, value, rank)}
+            for i, (tid, lp) in enumerate(scores.top[j] if scores.top else ()):
+                entry[tid] = logprob(tid, lp, i + 1)
+            state.prompt_logprobs.append(entry)
+
+    def decode_token(self, token_id: int) -> str | None:
+        """One token's text, as logprobs show it; None without a tokenizer."""
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def _finish(self, state: RequestState, now: float) -> None:
@@ -171,4 +196,5 @@ class OutputProcessor:
             finished=all(s.finished for s in states),
             num_cached_tokens=first.num_cached_tokens,
             weight_version=first.weight_version,
+            prompt_logprobs=first.prompt_logprobs,
         )

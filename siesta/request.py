@@ -53,6 +53,9 @@ class Request:
     hash_extra: bytes = b""
     # Its device KV spans a weight update: nothing it computes may be cached under a key.
     kv_mixes_versions: bool = False
+    # Prompt positions [0, n) whose logits were scored for prompt logprobs (each scores the
+    # next prompt token). Survives preemption, so a recompute sends none of them twice.
+    num_prompt_logprob_positions: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -68,6 +71,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Whether prompt logprobs were asked for and some prompt positions are not scored yet."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and self.num_prompt_logprob_positions < self.num_prompt_tokens - 1
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
@@ -89,12 +98,24 @@ class SampledLogprobs(msgspec.Struct, omit_defaults=True):
     top: list[tuple[int, float]] = []
 
 
+class PromptLogprobs(msgspec.Struct, omit_defaults=True):
+    """Prompt tokens [start, start + len(logprobs)), each scored under the tokens before it
+    (raw logits), with its rank and the top-n alternatives (empty when n is 0)."""
+
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]] = []
+
+
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     """New tokens of one request from one step (or its end)."""
 
     request_id: str
     new_token_ids: list[int] = []
     new_logprobs: list[SampledLogprobs] | None = None
+    # The prompt tokens this step scored (a chunk of the prompt: several outputs carry one each).
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -141,3 +162,6 @@ class RequestOutput(msgspec.Struct):
     finished: bool
     num_cached_tokens: int = 0
     weight_version: str = "0"
+    # vLLM's shape: one entry per prompt token, None for the first (nothing precedes it); each
+    # holds the prompt token and the top-n. None unless prompt_logprobs was asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

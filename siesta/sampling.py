@@ -42,6 +42,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n; 0: only the sampled token's logprob
+    # top-n at every prompt position; 0: only the prompt token's logprob. The first position has none.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -89,8 +91,9 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1)
         self._validate_min_tokens()
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0, maximum=MAX_LOGPROBS)
         self._validate_stops()
 
     def _validate_min_tokens(self) -> None:

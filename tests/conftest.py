@@ -60,3 +60,15 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: 
             pad_token_id=eos_token_ids[0],
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def hf_twin(source):
+    """A transformers model holding ``source``'s weights (fp32): the oracle for random-init shapes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.float32)
+    state = dict(source.iter_weights(torch.float32, "cpu"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing)
+    model.tie_weights()
+    return model.eval()

@@ -312,9 +312,10 @@ class EngineCore:
         sched, launched = step
         try:
             samples = launched.results()
+            prompt_logprobs = launched.prompt_logprobs()
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             return self._fail_step(sched, e)
-        return self.scheduler.update(sched, samples, self.weight_version)
+        return self.scheduler.update(sched, samples, self.weight_version, prompt_logprobs)
 
     def _fail_step(self, sched: SchedulerOutput, e: Exception) -> list[EngineCoreOutput]:
         logger.error("step failed; failing its %d requests", len(sched.scheduled), exc_info=e)

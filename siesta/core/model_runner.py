@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,13 +18,22 @@ from siesta.core import staging
 from siesta.core.cuda_graphs import DecodeGraphs
 from siesta.core.device_memory import ArenaMemory, SleepableMemory
 from siesta.core.piecewise_graphs import PiecewiseGraphs
-from siesta.core.sampler import PendingSamples, Sampler, SampleResult, SamplingRow, make_generator
+from siesta.core.sampler import (
+    PendingSamples,
+    PromptScores,
+    PromptSpan,
+    Sampler,
+    SampleResult,
+    SamplingRow,
+    make_generator,
+    score_tokens,
+)
 from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.core.staging import to_device_many
 from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
 from siesta.model.llama import CausalLM
 from siesta.model.loader import ModelSource
-from siesta.request import Request
+from siesta.request import PromptLogprobs, Request
 from siesta.tiers.base import KVConnector
 
 logger = logging.getLogger(__name__)
@@ -33,6 +42,28 @@ logger = logging.getLogger(__name__)
 # long enough that the split-KV paths engage.
 WARM_UP_QUERY_TOKENS = 40
 WARM_UP_LONG_CONTEXT = 8192
+# Prompt logprobs take the LM head and a log_softmax over the whole vocabulary for every
+# scored row: rows go through in chunks of about this many logits, so the memory they take
+# stays bounded (three fp32 tensors of it, 128 MiB each) however long the prefill chunk.
+PROMPT_SCORE_CHUNK_ELEMENTS = 1 << 25
+
+
+@dataclass
+class PromptRows:
+    """The hidden-state rows of a step whose logits score prompt tokens (prompt logprobs)."""
+
+    rows: torch.Tensor  # [n] indices into the step's hidden states
+    targets: torch.Tensor  # [n] the prompt token each row scores: the one after its position
+    spans: list[PromptSpan]  # one per request, in row order
+    request_ids: list[str]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(span.count for span in self.spans)
+
+    @property
+    def top_n(self) -> int:
+        return max(span.top_n for span in self.spans)
 
 
 @dataclass
@@ -42,6 +73,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # hidden-state rows whose logits are sampled
     sampled: list[ScheduledRequest]
+    prompt: PromptRows | None = None
 
 
 @dataclass
@@ -50,6 +82,7 @@ class LaunchedStep:
 
     sampled_ids: list[str]  # the requests of the sampled rows, in row order
     samples: PendingSamples | None
+    prompt_ids: list[str] = field(default_factory=list)  # the requests of its prompt scores, in order
 
     def __post_init__(self) -> None:
         self.row_of = {rid: row for row, rid in enumerate(self.sampled_ids)}
@@ -59,6 +92,12 @@ class LaunchedStep:
         if self.samples is None:
             return {}
         return dict(zip(self.sampled_ids, self.samples.results()))
+
+    def prompt_logprobs(self) -> dict[str, PromptLogprobs]:
+        """The prompt tokens this step scored, per request (they travel with the samples)."""
+        if self.samples is None or not self.prompt_ids:
+            return {}
+        return dict(zip(self.prompt_ids, self.samples.prompt_results()))
 
 
 class ModelRunner:
@@ -262,11 +301,29 @@ class ModelRunner:
             # Stores first: they read blocks the previous forward filled, on their own stream.
             self.connector.run_stores(transfers, self.kv_cache)
             self.connector.run_loads(transfers, self.kv_cache)
+        prompt = self._score_prompt(hidden, inputs.prompt)
+        prompt_ids = [] if inputs.prompt is None else inputs.prompt.request_ids
         if not inputs.sampled:
-            return LaunchedStep([], None)
+            if prompt is None:
+                return LaunchedStep([], None)
+            no_tokens = torch.empty(0, dtype=torch.long, device=self.device)
+            return LaunchedStep([], PendingSamples(no_tokens, None, [], prompt), prompt_ids)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         rows = [self._sampling_row(item.request) for item in inputs.sampled]
-        return LaunchedStep([item.request.request_id for item in inputs.sampled], self.sampler.sample(logits, rows))
+        samples = self.sampler.sample(logits, rows, prompt)
+        return LaunchedStep([item.request.request_id for item in inputs.sampled], samples, prompt_ids)
+
+    def _score_prompt(self, hidden: torch.Tensor, prompt: PromptRows | None) -> PromptScores | None:
+        """Prompt logprobs of the step's scored rows: the LM head on those rows alone, in chunks."""
+        if prompt is None:
+            return None
+        per_chunk = max(1, PROMPT_SCORE_CHUNK_ELEMENTS // self.model.shape.vocab_size)
+        chunks = []
+        for start in range(0, prompt.num_rows, per_chunk):
+            rows = slice(start, start + per_chunk)
+            logits = self.model.compute_logits(hidden[prompt.rows[rows]])
+            chunks.append(score_tokens(logits, prompt.targets[rows], prompt.top_n))
+        return PromptScores.concat(prompt.spans, chunks)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         meta = inputs.meta
@@ -303,6 +360,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
+        scored: list[tuple[int, ScheduledRequest]] = []  # (first row, item) of items that score prompt tokens
         # numpy, not nested lists through torch.tensor: 16 rows of 1,219 blocks take 0.3 ms, not 1.1.
         table = np.zeros((len(items), max(len(item.block_ids) for item in items)), dtype=np.int32)
         for row, item in enumerate(items):
@@ -315,6 +373,8 @@ class ModelRunner:
                 unseen_at.append(len(ids))
                 unseen_rows.append(prev.row_of[item.request.request_id])
                 ids.append(0)
+            if item.prompt_logprob_positions:
+                scored.append((starts[-1], item))
             starts.append(starts[-1] + item.num_new_tokens)
             seq_lens.append(end)
             table[row, : len(item.block_ids)] = item.block_ids
@@ -329,9 +389,12 @@ class ModelRunner:
         host = [np.asarray(starts, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), table, slots,
                 np.asarray(ids, dtype=np.int64), pos, np.asarray(logits_rows, dtype=np.int64),
                 np.asarray(unseen_at, dtype=np.int64), np.asarray(unseen_rows, dtype=np.int64)]  # fmt: skip
-        starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d, at_d, from_d = to_device_many(
-            [torch.from_numpy(h) for h in host], self.device
-        )
+        prompt_host = _prompt_rows(scored) if scored else None
+        if prompt_host is not None:
+            host.extend(prompt_host[:2])
+        moved = to_device_many([torch.from_numpy(h) for h in host], self.device)
+        starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d, at_d, from_d = moved[:9]
+        prompt = None if prompt_host is None else PromptRows(*moved[9:], *prompt_host[2:])
         if unseen_at:
             ids_d[at_d] = prev.samples.tokens[from_d]
         meta = AttentionMetadata(
@@ -344,7 +407,8 @@ class ModelRunner:
             query_start_loc_cpu=starts,
             seq_lens_cpu=seq_lens,
         )
-        return StepInputs(input_ids=ids_d, positions=pos_d, meta=meta, logits_rows=rows_d, sampled=sampled)
+        return StepInputs(input_ids=ids_d, positions=pos_d, meta=meta, logits_rows=rows_d, sampled=sampled,
+                          prompt=prompt)  # fmt: skip
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         params = request.sampling_params
@@ -362,3 +426,18 @@ class ModelRunner:
             output_token_ids=request.output_token_ids,
             banned_token_ids=banned,
         )
+
+
+def _prompt_rows(scored: list[tuple[int, ScheduledRequest]]) -> tuple[np.ndarray, np.ndarray, list[PromptSpan], list[str]]:
+    """Host side of ``PromptRows``: for each item, the rows of its scored positions (``first``
+    is the row of its first new token) and the prompt tokens they score."""
+    rows, targets, spans, ids = [], [], [], []
+    for first, item in scored:
+        positions = item.prompt_logprob_positions
+        rows.append(np.arange(positions.start, positions.stop, dtype=np.int64) + (first - item.start))
+        # Position p's logits score the token at p + 1.
+        targets.append(np.asarray(item.request.prompt_token_ids[positions.start + 1 : positions.stop + 1], dtype=np.int64))
+        top_n = item.request.sampling_params.prompt_logprobs or 0
+        spans.append(PromptSpan(first=positions.start + 1, count=len(positions), top_n=top_n))
+        ids.append(item.request.request_id)
+    return np.concatenate(rows), np.concatenate(targets), spans, ids

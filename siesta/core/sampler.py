@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from siesta.core.staging import HostCopy, to_device
+from siesta.request import PromptLogprobs
 from siesta.sampling import SamplingParams
 
 # Rows are picked with ``tensor[index]`` throughout: CPU index_select is ~20x slower on wide rows.
@@ -80,14 +81,15 @@ class Sampler:
         return self.sample(logits, rows).results()
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSamples:
-        """Launch the sampling; the tokens stay on the device until ``results`` is called."""
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], prompt: PromptScores | None = None) -> PendingSamples:
+        """Launch the sampling; the tokens stay on the device until ``results`` is called.
+        The step's ``prompt`` scores, if any, come back in the same copy."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         logits = logits.float().contiguous()
         raw = _RawLogprobs.compute(logits, rows)
         processed = apply_penalties(apply_bans(logits, rows), rows)
-        return PendingSamples(self._choose_tokens(processed, rows), raw, rows)
+        return PendingSamples(self._choose_tokens(processed, rows), raw, rows, prompt)
 
     def _choose_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -307,38 +309,120 @@ class _RawLogprobs:
         return cls(wanted, index, selected.log_softmax(dim=-1))
 
 
+def _ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """1-based ranks of ``chosen`` ([rows, 1]) in each row; ties count in its favour."""
+    # Summing floats is ~2x faster than bools on CPU and exact below 2**24 tokens.
+    return (logprobs > chosen).float().sum(dim=-1) + 1
+
+
+def score_tokens(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Under log_softmax of the raw logits: each row's token's logprob and rank, and the
+    row's ``top_n`` (ids, values), highest first."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    top_values, top_ids = logprobs.topk(top_n, dim=-1)
+    return chosen.squeeze(1), _ranks(logprobs, chosen), top_ids, top_values
+
+
+@dataclass
+class PromptSpan:
+    """One request's rows of a step's prompt scores: prompt tokens [first, first + count)."""
+
+    first: int
+    count: int
+    top_n: int
+
+
+@dataclass
+class PromptScores:
+    """A step's prompt logprobs on the device: ``score_tokens`` of every span's rows, in order."""
+
+    spans: list[PromptSpan]
+    logprobs: torch.Tensor  # [rows]
+    ranks: torch.Tensor  # [rows]
+    top_ids: torch.Tensor  # [rows, top_n]
+    top_values: torch.Tensor  # [rows, top_n]
+
+    @classmethod
+    def concat(cls, spans: list[PromptSpan], chunks: list[tuple[torch.Tensor, ...]]) -> PromptScores:
+        """The scores of row chunks (each a ``score_tokens`` result), one after another."""
+        parts = [chunks[0][k] if len(chunks) == 1 else torch.cat([c[k] for c in chunks]) for k in range(4)]
+        return cls(spans, *parts)
+
+    @property
+    def top_n(self) -> int:
+        return self.top_ids.shape[1]
+
+    def parts(self) -> list[torch.Tensor]:
+        return [self.logprobs, self.ranks, self.top_ids, self.top_values]
+
+    def results(self, host_parts: list[list]) -> list[PromptLogprobs]:
+        """Each span's scores from the host copies of ``parts``."""
+        logprobs, ranks, top_ids, top_values = host_parts
+        width, row, out = self.top_n, 0, []
+        for span in self.spans:
+            rows = range(row, row + span.count)
+            top = [_top_of(top_ids, top_values, r * width, span.top_n) for r in rows] if span.top_n else []
+            out.append(PromptLogprobs(span.first, logprobs[row : rows.stop], [int(ranks[r]) for r in rows], top))
+            row = rows.stop
+        return out
+
+
+def _top_of(ids: list, values: list, start: int, n: int) -> list[tuple[int, float]]:
+    """The first ``n`` (id, value) pairs of one row of flat host copies, from ``start``."""
+    return [(int(t), v) for t, v in zip(ids[start : start + n], values[start : start + n])]
+
+
 class PendingSamples:
     """A step's samples, launched: ``tokens`` on the device (a next step may read its inputs
-    from there) and their copy to the host under way; ``results`` waits for that copy alone."""
+    from there) and their copy to the host under way; ``results`` waits for that copy alone.
 
-    def __init__(self, tokens: torch.Tensor, raw: _RawLogprobs | None, rows: list[SamplingRow]) -> None:
+    A step's prompt scores, if it has any, travel in the same copy.
+    """
+
+    def __init__(
+        self, tokens: torch.Tensor, raw: _RawLogprobs | None, rows: list[SamplingRow], prompt: PromptScores | None = None
+    ) -> None:
         self.tokens = tokens
         self._rows = rows
         self._raw = raw
+        self._prompt = prompt
         self._top_n = 0
-        if raw is None:
+        self._host_parts: list[list] | None = None
+        if raw is None and prompt is None:
             self._copy = HostCopy(tokens)
             return
-        self._top_n = max(rows[i].params.logprobs or 0 for i in raw.rows)
-        sampled = raw.logprobs.gather(1, tokens[raw.index].unsqueeze(1))
-        # Summing floats is ~2x faster than bools on CPU and exact below 2**24 tokens.
-        ranks = (raw.logprobs > sampled).float().sum(dim=-1) + 1
-        top_values, top_ids = raw.logprobs.topk(self._top_n, dim=-1)
+        parts = [tokens]
+        if raw is not None:
+            self._top_n = max(rows[i].params.logprobs or 0 for i in raw.rows)
+            sampled = raw.logprobs.gather(1, tokens[raw.index].unsqueeze(1))
+            top_values, top_ids = raw.logprobs.topk(self._top_n, dim=-1)
+            parts += [sampled, _ranks(raw.logprobs, sampled), top_ids, top_values]
+        if prompt is not None:
+            parts += prompt.parts()
         # One copy for all of them: float64 holds token ids and ranks (< 2**53) and float32
         # logprobs exactly.
-        parts = (tokens, sampled, ranks, top_ids, top_values)
         self._sizes = [t.numel() for t in parts]
         self._copy = HostCopy(torch.cat([t.reshape(-1).double() for t in parts]))
 
+    def _parts(self) -> list[list]:
+        """The copy, landed, cut back into its parts."""
+        if self._host_parts is None:
+            flat = self._copy.wait()
+            starts = [sum(self._sizes[:k]) for k in range(len(self._sizes))]
+            self._host_parts = [flat[start : start + size] for start, size in zip(starts, self._sizes)]
+        return self._host_parts
+
     def results(self) -> list[SampleResult]:
-        if self._raw is None:
+        if self._raw is None and self._prompt is None:
             return [SampleResult(token_id=t) for t in self._copy.wait()]
-        flat = self._copy.wait()
-        starts = [sum(self._sizes[:k]) for k in range(len(self._sizes))]
-        token_list, sampled_list, rank_list, id_list, value_list = (
-            flat[start : start + size] for start, size in zip(starts, self._sizes)
-        )
-        results = [SampleResult(token_id=int(t)) for t in token_list]
+        parts = self._parts()
+        results = [SampleResult(token_id=int(t)) for t in parts[0]]
+        if self._raw is None:
+            return results
+        sampled_list, rank_list, id_list, value_list = parts[1:5]
         top_n = self._top_n
         for j, i in enumerate(self._raw.rows):
             n = self._rows[i].params.logprobs or 0
@@ -346,6 +430,12 @@ class PendingSamples:
             results[i].logprob, results[i].rank = sampled_list[j], int(rank_list[j])
             results[i].top_logprobs = [(int(t), v) for t, v in zip(id_list[top], value_list[top])]
         return results
+
+    def prompt_results(self) -> list[PromptLogprobs]:
+        """The step's prompt scores, one per span (waits for the copy)."""
+        if self._prompt is None:
+            return []
+        return self._prompt.results(self._parts()[-len(self._prompt.parts()) :])
 
 
 # -- helpers ------------------------------------------------------------------------------

@@ -5,6 +5,10 @@ or the next chunk of their prefill), then waiting requests in arrival order.
 When the device runs out of KV blocks the most recently admitted running
 request is preempted: its blocks are freed and it is recomputed later (its
 prefix usually comes back from the prefix cache).
+
+A request that asks for prompt logprobs takes no prefix hits (device or tier) for
+prompt positions not scored yet: cached KV has no logits. Its blocks are cached as
+anyone's, and a recompute skips what it already scored.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from siesta.config import SchedulerConfig
 from siesta.core.sampler import SampleResult
 from siesta.kv.kv_manager import KVManager
 from siesta.metrics import EngineStats
-from siesta.request import EngineCoreOutput, Request, RequestStatus, SampledLogprobs
+from siesta.request import EngineCoreOutput, PromptLogprobs, Request, RequestStatus, SampledLogprobs
 from siesta.tiers.base import KVConnector, StepTransfers
 
 
@@ -28,6 +32,8 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     sample: bool  # the step reaches the request's last known token, so it samples the next
+    # Positions whose logits score the next prompt token (prompt logprobs) this step.
+    prompt_logprob_positions: range = range(0)
 
 
 @dataclass
@@ -138,8 +144,13 @@ class Scheduler:
             if request.num_unseen:  # preempted a step ahead of its last sample: it recomputes once seen
                 break
             cached = self.kv.find_cached_prefix(request)
+            scoring = request.prompt_logprobs_pending
+            if scoring:  # cached KV has no logits: only what was scored before may be skipped
+                cached = cached[: request.num_prompt_logprob_positions // self.kv.block_size]
             num_cached = len(cached) * self.kv.block_size
-            num_external = self.connector.get_num_new_matched_tokens(request, num_cached) if self.connector else 0
+            num_external = 0
+            if self.connector is not None and not scoring:
+                num_external = self.connector.get_num_new_matched_tokens(request, num_cached)
             if num_external:
                 if not self._start_load(request, cached, num_cached, num_external):
                     break
@@ -212,6 +223,7 @@ class Scheduler:
                 num_new_tokens=num_new,
                 block_ids=self.kv.block_ids(request.request_id),
                 sample=request.num_computed_tokens == request.num_tokens + request.num_unseen,
+                prompt_logprob_positions=_positions_to_score(request, start),
             )
         )
 
@@ -253,33 +265,46 @@ class Scheduler:
 
     # -- after the step ----------------------------------------------------------------
 
-    def update(self, sched: SchedulerOutput, samples: dict[str, SampleResult], weight_version: str) -> list[EngineCoreOutput]:
+    def update(
+        self,
+        sched: SchedulerOutput,
+        samples: dict[str, SampleResult],
+        weight_version: str,
+        prompt_logprobs: dict[str, PromptLogprobs] | None = None,
+    ) -> list[EngineCoreOutput]:
         outputs = []
         for item in sched.scheduled:
             request = item.request
             sample = samples.get(request.request_id)
-            if sample is None:
-                continue
-            request.num_unseen = max(request.num_unseen - 1, 0)
+            if sample is not None:
+                request.num_unseen = max(request.num_unseen - 1, 0)
+            # Scored prompt tokens go out even if the request was preempted since: they are not
+            # scored again.
+            scores = None if request.status.finished or not prompt_logprobs else prompt_logprobs.get(request.request_id)
             # A request preempted in the step scheduled ahead of this one still takes its token.
-            if request.status not in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+            takes_sample = sample is not None and request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+            if not takes_sample and scores is None:
                 continue
-            request.append_output_token(sample.token_id)
-            self.stats.inc("generation_tokens")
-            status = self._stop_status(request, sample.token_id)
             out = EngineCoreOutput(
                 request_id=request.request_id,
-                new_token_ids=[sample.token_id],
-                new_logprobs=_logprobs(sample),
+                prompt_logprobs=scores,
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 weight_version=weight_version,
             )
-            if status is not None:
-                done = self._finish(request, status)
-                out.finish_reason, out.stop_reason = done.finish_reason, done.stop_reason
+            if takes_sample:
+                self._take_sample(request, sample, out)
             outputs.append(out)
         self._record_gauges()
         return outputs
+
+    def _take_sample(self, request: Request, sample: SampleResult, out: EngineCoreOutput) -> None:
+        request.append_output_token(sample.token_id)
+        self.stats.inc("generation_tokens")
+        out.new_token_ids, out.new_logprobs = [sample.token_id], _logprobs(sample)
+        status = self._stop_status(request, sample.token_id)
+        if status is not None:
+            done = self._finish(request, status)
+            out.finish_reason, out.stop_reason = done.finish_reason, done.stop_reason
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -331,3 +356,17 @@ def _logprobs(sample: SampleResult) -> list[SampledLogprobs] | None:
     if sample.logprob is None:
         return None
     return [SampledLogprobs(token_id=sample.token_id, logprob=sample.logprob, rank=sample.rank or 0, top=sample.top_logprobs)]
+
+
+def _positions_to_score(request: Request, start: int) -> range:
+    """The positions of a step's tokens [start, num_computed_tokens) whose logits score a prompt
+    token not scored before (position p scores token p + 1), marked scored."""
+    if not request.prompt_logprobs_pending:
+        return range(0)
+    done = request.num_prompt_logprob_positions
+    assert start <= done, f"request {request.request_id}: prompt positions {done}..{start} would go unscored"
+    end = min(request.num_computed_tokens, request.num_prompt_tokens - 1)
+    if end <= done:
+        return range(0)
+    request.num_prompt_logprob_positions = end
+    return range(done, end)

@@ -13,10 +13,11 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 @pytest.mark.parametrize(
     ("route", "base", "field", "value"),
     [
-        ("/v1/completions", COMPLETION, "echo", True),
-        ("/v1/completions", COMPLETION, "prompt_logprobs", 1),
+        ("/v1/completions", COMPLETION, "suffix", " the end"),
+        ("/v1/completions", COMPLETION, "allowed_token_ids", [1, 2]),
         ("/v1/completions", COMPLETION, "logit_bias", {"50": 10}),
         ("/v1/completions", COMPLETION, "best_of", 3),
+        ("/v1/chat/completions", CHAT, "echo", True),  # chat's echo is not completions' (which is done)
         ("/v1/chat/completions", CHAT, "response_format", {"type": "json_object"}),
         ("/v1/chat/completions", CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
         ("/v1/chat/completions", CHAT, "guided_json", {"type": "object"}),
@@ -31,7 +32,8 @@ def test_an_unimplemented_field_is_refused_by_name(dev_server, route, base, fiel
     ("route", "base", "extra"),
     [
         ("/v1/completions", COMPLETION, {"echo": False, "logit_bias": None, "best_of": 1}),
-        ("/v1/chat/completions", CHAT, {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}),
+        ("/v1/chat/completions", CHAT,
+         {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "echo": False}),
         ("/v1/completions", COMPLETION, {"x_my_tracing_id": "abc"}),  # no one's field: ignored
     ],
 )

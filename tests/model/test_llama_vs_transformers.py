@@ -4,22 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy
-from transformers import AutoModelForCausalLM
+from conftest import hf_greedy, hf_twin
 
 from siesta import LLM, SamplingParams
 from siesta.model.loader import resolve_model
 
 TINY = ["tiny-llama", "tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
-
-
-def hf_twin(source):
-    model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.float32)
-    state = dict(source.iter_weights(torch.float32, "cpu"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and all("lm_head" in m for m in missing)
-    model.tie_weights()
-    return model.eval()
 
 
 @pytest.mark.parametrize("shape", TINY)

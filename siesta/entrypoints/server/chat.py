@@ -20,6 +20,7 @@ from siesta.entrypoints.server.prompts import chat_prompt
 from siesta.entrypoints.server.protocol import ChatCompletionRequest
 from siesta.entrypoints.server.responses import (
     json_logprob,
+    prompt_logprobs_json,
     token_text,
     top_entries,
     usage,
@@ -72,6 +73,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     response = meta.envelope(choices, OBJECT) | {"usage": usage(generation), "weight_version": weight_version(generation)}
     if body.return_token_ids:  # vLLM's place for them: the response, not each choice (one prompt)
         response["prompt_token_ids"] = list(prompt.token_ids)
+    scored = generation.choices[0].state.prompt_logprobs
+    if scored is not None:  # the response's too, as vLLM puts them
+        response["prompt_logprobs"] = prompt_logprobs_json(scored, body.return_tokens_as_token_ids)
     return AsciiJSONResponse(response)
 
 

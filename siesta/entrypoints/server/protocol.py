@@ -9,7 +9,7 @@ silently gets less than it asked for; a field no one defines is ignored with a w
 from __future__ import annotations
 
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, model_validator
 
@@ -38,7 +38,7 @@ class StreamOptions(BaseModel):
 # OpenAI's and vLLM's fields siesta does not implement (yet), with the value that means off.
 _OFF: Any = None
 NOT_IMPLEMENTED: dict[str, Any] = {
-    "best_of": 1, "logit_bias": _OFF, "suffix": _OFF, "echo": False, "prompt_logprobs": _OFF,
+    "best_of": 1, "logit_bias": _OFF, "suffix": _OFF,
     "response_format": {"type": "text"}, "tools": _OFF, "tool_choice": "none",
     "parallel_tool_calls": _OFF, "functions": _OFF, "function_call": _OFF, "guided_json": _OFF,
     "guided_regex": _OFF, "guided_choice": _OFF, "guided_grammar": _OFF, "structured_outputs": _OFF,
@@ -48,23 +48,26 @@ NOT_IMPLEMENTED: dict[str, Any] = {
     "chat_template_kwargs": _OFF, "continue_final_message": False, "documents": _OFF, "mm_processor_kwargs": _OFF,
     "web_search_options": _OFF, "top_logprobs_num": _OFF, "return_logprob": False,
 }  # fmt: skip
+# Chat's echo (the last message's content before the reply) is not completions' echo.
+CHAT_NOT_IMPLEMENTED: dict[str, Any] = NOT_IMPLEMENTED | {"echo": False}
 logger = logging.getLogger(__name__)
 
 
-def _is_off(name: str, value: Any) -> bool:
-    return value is None or value is False or value in ([], {}, "") or value == NOT_IMPLEMENTED[name]
+def _is_off(value: Any, off: Any) -> bool:
+    return value is None or value is False or value in ([], {}, "") or value == off
 
 
 class SamplingFields(BaseModel):
     """Fields both routes share: OpenAI's, then vLLM's extras."""
 
     model_config = ConfigDict(extra="allow")  # looked at, then refused or ignored: below
+    not_implemented: ClassVar[dict[str, Any]] = NOT_IMPLEMENTED
 
     @model_validator(mode="after")
     def _refuse_what_siesta_does_not_do(self) -> SamplingFields:
         for name, value in (self.model_extra or {}).items():
-            if name in NOT_IMPLEMENTED:
-                if not _is_off(name, value):
+            if name in self.not_implemented:
+                if not _is_off(value, self.not_implemented[name]):
                     raise ValueError(f"{name} is not supported by siesta yet; leave it out")
             else:
                 logger.warning("ignoring the unknown request field %r", name)
@@ -96,12 +99,15 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = False
     # vLLM's: logprob tokens as "token_id:<id>" (text that does not round-trip is no use to RL).
     return_tokens_as_token_ids: bool = False
+    # vLLM's: each prompt token's logprob, rank and top-n alternatives (not in streams).
+    prompt_logprobs: Int | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    max_tokens: Int | None = 16
+    max_tokens: Int | None = 16  # 0 only with echo: the prompt and nothing generated
     logprobs: Int | None = None  # top-n alternatives per token
+    echo: bool | None = False  # the prompt before the completion (and its tokens' logprobs first)
 
 
 class ContentPart(BaseModel):
@@ -116,6 +122,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    not_implemented: ClassVar[dict[str, Any]] = CHAT_NOT_IMPLEMENTED
     messages: list[ChatMessage]
     max_tokens: Int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Int | None = None

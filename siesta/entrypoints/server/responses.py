@@ -54,3 +54,16 @@ def top_entries(entries: dict[int, Logprob], limit: int) -> list[tuple[int, Logp
     """The ``limit`` best alternatives by rank (the sampled token is reported separately)."""
     ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
     return ranked[:limit]
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None], as_ids: bool = False) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token null (the first) or ``{token id: {logprob,
+    rank, decoded_token}}``, the prompt token first; -inf as vLLM clamps it."""
+    return [
+        None if entry is None else {str(tid): _prompt_logprob_json(lp, tid, as_ids) for tid, lp in entry.items()}
+        for entry in entries
+    ]
+
+
+def _prompt_logprob_json(entry: Logprob, token_id: int, as_id: bool) -> dict[str, Any]:
+    return {"logprob": json_logprob(entry.logprob), "rank": entry.rank, "decoded_token": token_text(entry, token_id, as_id)}

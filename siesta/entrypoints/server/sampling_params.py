@@ -16,13 +16,21 @@ DEFAULT_MIN_P = 0.0
 DEFAULT_REPETITION_PENALTY = 1.0
 DEFAULT_ADDITIVE_PENALTY = 0.0
 _BAD_REQUEST = 400
+# echo with max_tokens 0 (the prompt alone, as vLLM and OpenAI allow) still samples this many
+# tokens, which the response leaves out: every request samples at least one.
+ECHO_ONLY_MAX_TOKENS = 1
 
 
 def _or(value, default):
     return default if value is None else value
 
 
-def _common(body: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _common(
+    body: SamplingFields, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+) -> SamplingParams:
+    # vLLM's rule: a stream has nowhere to put them (echo's, asked for by logprobs, ride in its text).
+    if body.stream and body.prompt_logprobs:
+        raise APIError(_BAD_REQUEST, "prompt_logprobs are not available when stream=true", "prompt_logprobs")
     return SamplingParams(
         n=body.n,
         temperature=_or(body.temperature, DEFAULT_TEMPERATURE),
@@ -39,14 +47,23 @@ def _common(body: SamplingFields, max_tokens: int | None, logprobs: int | None) 
         stop_token_ids=body.stop_token_ids,
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
     )
 
 
+def echo_only(body: CompletionRequest) -> bool:
+    """echo with max_tokens 0: the response is the prompt alone."""
+    return bool(body.echo) and body.max_tokens == 0
+
+
 def completion_params(body: CompletionRequest) -> SamplingParams:
-    return _common(body, body.max_tokens, body.logprobs)
+    # vLLM: echo's logprobs cover the prompt too, so they ask for prompt logprobs of the same n.
+    prompt_logprobs = body.logprobs if body.prompt_logprobs is None and body.echo else body.prompt_logprobs
+    max_tokens = ECHO_ONLY_MAX_TOKENS if echo_only(body) else body.max_tokens
+    return _common(body, max_tokens, body.logprobs, prompt_logprobs)
 
 
 def chat_params(body: ChatCompletionRequest) -> SamplingParams:
@@ -54,7 +71,7 @@ def chat_params(body: ChatCompletionRequest) -> SamplingParams:
         raise APIError(_BAD_REQUEST, "top_logprobs needs logprobs=true", "top_logprobs")
     logprobs = _or(body.top_logprobs, 0) if body.logprobs else None
     max_tokens = _or(body.max_completion_tokens, body.max_tokens)
-    return _common(body, max_tokens, logprobs)
+    return _common(body, max_tokens, logprobs, body.prompt_logprobs)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
