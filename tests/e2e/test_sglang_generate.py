@@ -113,6 +113,31 @@ def test_a_stream_sends_cumulative_answers_ending_in_the_whole_one(dev_server, h
     assert chunks[-1]["output_ids"] == whole["output_ids"] and chunks[-1]["text"] == whole["text"]
 
 
+def test_logprob_start_len_scores_the_prompt_and_max_new_tokens_0_generates_nothing(http, offline_llm, tokenizer):
+    from siesta import SamplingParams
+
+    ids = tokenizer("The quick brown fox jumps over the lazy dog")["input_ids"]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": 2}  # fmt: skip
+    out = _post(http, body)
+    with single_thread():
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+        offline = offline_llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].prompt_logprobs
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and out["text"] == "" and meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["output_token_logprobs"] == []
+    triples = meta["input_token_logprobs"]
+    assert [t[1] for t in triples] == ids and triples[0][0] is None and meta["input_top_logprobs"][0] is None
+    for (logprob, token_id, _), entry in zip(triples[1:], offline[1:]):
+        assert abs(logprob - entry[token_id].logprob) < LOGPROB_TOL
+    for top, entry in zip(meta["input_top_logprobs"][1:], offline[1:]):
+        best = sorted(entry.values(), key=lambda lp: lp.rank)[:2]
+        assert [round(t[0], 4) for t in top] == [round(lp.logprob, 4) for lp in best]
+    tail = _post(http, body | {"logprob_start_len": 3})["meta_info"]["input_token_logprobs"]
+    assert [t[1] for t in tail] == ids[3:]
+    assert all(abs(a[0] - b[0]) < LOGPROB_TOL for a, b in zip(tail, triples[3:]))
+
+
 def test_stop_tokens_and_strings_report_what_they_matched(http, offline_llm):
     expected = _offline(offline_llm, PROMPT)
     stop_id = expected.token_ids[2]
@@ -186,7 +211,8 @@ def test_areals_pause_and_continue_keep_a_rollout_on_its_greedy_path(dev_server,
         ({"input_ids": []}, "input_ids"),
         ({"input_ids": [10**9]}, "input_ids"),
         ({"text": PROMPT, "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
-        ({"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+        ({"text": PROMPT, "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+        ({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 3}, "logprob_start_len"),
         ({"text": PROMPT, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
         ({"text": PROMPT, "return_logprob": True, "top_logprobs_num": 99}, "top_logprobs_num"),
         ({"text": PROMPT, "image_data": "x.png"}, "image_data"),

@@ -5,6 +5,10 @@ n > 1) answers a list, prompt by prompt and sample by sample. A stream sends cum
 objects, as SGLang does (a batch's carry their ``index``), then ``[DONE]``. An aborted
 request (``/abort_request``, a pause in abort mode) answers 200 with what it generated,
 its finish reason ``abort``: slime re-sends such partial rollouts as prompt + output.
+
+``return_logprob`` reports the sampled tokens' logprobs (of the raw logits, as vLLM's);
+``logprob_start_len`` >= 0 scores the prompt's tokens from there on too (they take no
+prefix-cache hits then). ``max_new_tokens`` 0 scores a prompt and generates nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from siesta.sampling import SamplingParams
 
 router = APIRouter(tags=["sglang"])
 FINISH_ERROR = "error"
+# max_new_tokens 0 (a prompt scored, nothing generated): the engine samples one token, unshown.
+PROMPT_ONLY_MAX_TOKENS = 1
 # vLLM's SamplingParams names in its errors -> SGLang's, so a 400 names the field sent.
 _SGLANG_NAMES = {
     "max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed",
@@ -45,11 +51,11 @@ _SGLANG_NAMES = {
 async def generate(body: GenerateRequest, request: Request) -> Response:
     state = server_state(request)
     prompts = await _prompts(state, body)
-    params = [_params(body, i, len(prompts)) for i in range(len(prompts))]
+    params = [_params(body, prompt, i, len(prompts)) for i, prompt in enumerate(prompts)]
     check_fanout(len(prompts), params[0].n, state.config.max_request_fanout)
     for prompt, p in zip(prompts, params):
         state.prompt_limit.check_completion(len(prompt.token_ids), p.max_tokens)
-    options = [_logprob_options(body, i, len(prompts)) for i in range(len(prompts))]
+    options = [_logprob_options(body, prompt, i, len(prompts)) for i, prompt in enumerate(prompts)]
     ids = _choice_ids(body.rid, len(prompts), params[0].n)
     # The generation's own id: what /abort_request takes to end all of it.
     http_id = body.rid if isinstance(body.rid, str) else f"gen-{uuid.uuid4().hex}"
@@ -88,26 +94,20 @@ def _per_prompt(value: Any, index: int, count: int, name: str) -> Any:
     return value[index]
 
 
-def _params(body: GenerateRequest, index: int, count: int) -> SamplingParams:
+def _params(body: GenerateRequest, prompt: TokenizedPrompt, index: int, count: int) -> SamplingParams:
     sp = _per_prompt(body.sampling_params, index, count, "sampling_params") or SGLangSamplingParams()
-    return_logprob = _per_prompt(body.return_logprob, index, count, "return_logprob")
-    top_n = _per_prompt(body.top_logprobs_num, index, count, "top_logprobs_num")
-    start = _per_prompt(body.logprob_start_len, index, count, "logprob_start_len")
-    if return_logprob and start != OUTPUT_LOGPROBS_ONLY:
-        raise APIError(
-            HTTPStatus.BAD_REQUEST,
-            f"logprob_start_len={start}: input token logprobs are not supported yet; leave it at -1",
-            "logprob_start_len",
-        )
+    options = _logprob_options(body, prompt, index, count)
     if isinstance(body.sampling_params, list) and len({p.n for p in body.sampling_params}) > 1:
         raise APIError(HTTPStatus.BAD_REQUEST, "every prompt's sampling_params must have the same n", "sampling_params")
+    logprobs = options.top_logprobs_num if options.return_logprob else None
     try:
         return SamplingParams(
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
             seed=sp.sampling_seed, presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-            repetition_penalty=sp.repetition_penalty, max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens,
-            stop=sp.stop, stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
-            logprobs=top_n if return_logprob else None, skip_special_tokens=sp.skip_special_tokens,
+            repetition_penalty=sp.repetition_penalty, max_tokens=PROMPT_ONLY_MAX_TOKENS if options.prompt_only
+            else sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop, stop_token_ids=sp.stop_token_ids,
+            ignore_eos=sp.ignore_eos, logprobs=logprobs, prompt_logprobs=None if options.input_start is None
+            else options.top_logprobs_num, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, include_stop_str_in_output=sp.no_stop_trim,
         )  # fmt: skip
     except ValueError as e:
@@ -123,11 +123,23 @@ def _sampling_error(exc: ValueError) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, message.replace(first, name, 1), name)
 
 
-def _logprob_options(body: GenerateRequest, index: int, count: int) -> LogprobOptions:
+def _logprob_options(body: GenerateRequest, prompt: TokenizedPrompt, index: int, count: int) -> LogprobOptions:
+    sp = _per_prompt(body.sampling_params, index, count, "sampling_params") or SGLangSamplingParams()
+    return_logprob = bool(_per_prompt(body.return_logprob, index, count, "return_logprob"))
+    start = _per_prompt(body.logprob_start_len, index, count, "logprob_start_len")
+    if return_logprob and start != OUTPUT_LOGPROBS_ONLY and not 0 <= start < len(prompt.token_ids):
+        raise APIError(
+            HTTPStatus.BAD_REQUEST,
+            f"logprob_start_len must be -1 (output tokens only) or in [0, {len(prompt.token_ids)}) for this prompt, "
+            f"got {start}",
+            "logprob_start_len",
+        )
     return LogprobOptions(
-        return_logprob=bool(_per_prompt(body.return_logprob, index, count, "return_logprob")),
+        return_logprob=return_logprob,
         top_logprobs_num=_per_prompt(body.top_logprobs_num, index, count, "top_logprobs_num") or 0,
         return_text=body.return_text_in_logprobs,
+        input_start=start if return_logprob and start != OUTPUT_LOGPROBS_ONLY else None,
+        prompt_only=sp.max_new_tokens == 0,
     )
 
 

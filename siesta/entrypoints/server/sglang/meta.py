@@ -22,11 +22,13 @@ ABORT_MESSAGE = "the request was aborted"
 
 @dataclass(frozen=True)
 class LogprobOptions:
-    """What one prompt's answer reports of logprobs (SGLang's per-request fields)."""
+    """What one prompt's answer reports (SGLang's per-request fields)."""
 
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_text: bool = False  # return_text_in_logprobs
+    input_start: int | None = None  # logprob_start_len, when the prompt's tokens are scored too
+    prompt_only: bool = False  # max_new_tokens 0: the engine's one sampled token is not shown
 
 
 def finish_reason(state: RequestState) -> dict[str, Any] | None:
@@ -45,35 +47,67 @@ def finish_reason(state: RequestState) -> dict[str, Any] | None:
 def answer(choice: Choice, options: LogprobOptions, index: int | None = None) -> dict[str, Any]:
     """The whole answer so far (SGLang's stream chunks are cumulative too)."""
     state = choice.state
-    out: dict[str, Any] = {"text": state.text, "output_ids": list(state.token_ids), "meta_info": _meta(choice, options)}
+    shown = 0 if options.prompt_only else len(state.token_ids)
+    out: dict[str, Any] = {
+        "text": "" if options.prompt_only else state.text,
+        "output_ids": list(state.token_ids[:shown]),
+        "meta_info": _meta(choice, options, shown),
+    }
     if index is not None:
         out["index"] = index
     return out
 
 
-def _meta(choice: Choice, options: LogprobOptions) -> dict[str, Any]:
+def _meta(choice: Choice, options: LogprobOptions, shown: int) -> dict[str, Any]:
     state = choice.state
+    reason = finish_reason(state)
+    if options.prompt_only and reason is not None and reason["type"] != "abort":
+        reason = {"type": "length", "length": 0}
     meta: dict[str, Any] = {
         "id": choice.request_id,
-        "finish_reason": finish_reason(state),
+        "finish_reason": reason,
         "prompt_tokens": len(choice.prompt.token_ids),
-        "completion_tokens": len(state.token_ids),
+        "completion_tokens": shown,
         "cached_tokens": max(state.num_cached_tokens, 0),
         "weight_version": state.weight_version,
         "weight_versions": weight_versions(state),  # siesta's: which version sampled which tokens
     }
-    if options.return_logprob and state.logprobs is not None:
-        meta["output_token_logprobs"] = [
-            _triple(tid, entry[tid], options.return_text) for tid, entry in zip(state.token_ids, state.logprobs)
-        ]
-        if options.top_logprobs_num > 0:
-            meta["output_top_logprobs"] = [
-                [_triple(t, lp, options.return_text) for t, lp in top_entries(entry, options.top_logprobs_num)]
-                for entry in state.logprobs
-            ]
+    if options.return_logprob:
+        meta |= _output_logprobs(state, options, shown) | _input_logprobs(state, options)
     if state.finished:
         meta["e2e_latency"] = time.monotonic() - state.arrival
     return meta
+
+
+def _output_logprobs(state: RequestState, options: LogprobOptions, shown: int) -> dict[str, Any]:
+    entries = (state.logprobs or [])[:shown]
+    out: dict[str, Any] = {
+        "output_token_logprobs": [_triple(t, e[t], options.return_text) for t, e in zip(state.token_ids, entries)]
+    }
+    if options.top_logprobs_num > 0:
+        out["output_top_logprobs"] = [_top(e, options) for e in entries]
+    return out
+
+
+def _input_logprobs(state: RequestState, options: LogprobOptions) -> dict[str, Any]:
+    """The prompt's tokens from ``logprob_start_len`` on; the first prompt token has none."""
+    if options.input_start is None or state.prompt_logprobs is None:
+        return {}
+    positions = range(options.input_start, len(state.prompt_logprobs))
+    prompt = state.prompt_token_ids
+    triples = []
+    for i in positions:
+        entry = state.prompt_logprobs[i]
+        triples.append([None, prompt[i], None] if entry is None else _triple(prompt[i], entry[prompt[i]], options.return_text))
+    out: dict[str, Any] = {"input_token_logprobs": triples}
+    if options.top_logprobs_num > 0:
+        out["input_top_logprobs"] = [None if state.prompt_logprobs[i] is None else _top(state.prompt_logprobs[i], options)
+                                     for i in positions]  # fmt: skip
+    return out
+
+
+def _top(entry: dict[int, Logprob], options: LogprobOptions) -> list[list[Any]]:
+    return [_triple(t, lp, options.return_text) for t, lp in top_entries(entry, options.top_logprobs_num)]
 
 
 def _triple(token_id: int, entry: Logprob, with_text: bool) -> list[Any]:
