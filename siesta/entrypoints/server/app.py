@@ -12,7 +12,15 @@ from transformers import PreTrainedTokenizerBase
 
 from siesta import __version__
 from siesta.config import EngineConfig
-from siesta.entrypoints.server import chat, completions, dev_routes, info_routes, tokenize_routes, weight_routes
+from siesta.entrypoints.server import (
+    chat,
+    completions,
+    dev_routes,
+    generate_tokens,
+    info_routes,
+    tokenize_routes,
+    weight_routes,
+)
 from siesta.entrypoints.server.async_llm import AsyncLLM
 from siesta.entrypoints.server.auth import ApiKeyMiddleware
 from siesta.entrypoints.server.errors import install_error_handlers
@@ -52,6 +60,7 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(tokenize_routes.router)
+    app.include_router(generate_tokens.router)
     app.include_router(sglang_generate.router)
     app.include_router(sglang_info.router)
     if config.dev_mode:

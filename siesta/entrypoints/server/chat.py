@@ -19,10 +19,8 @@ from siesta.entrypoints.server.limits import check_fanout, content_chars
 from siesta.entrypoints.server.prompts import chat_prompt
 from siesta.entrypoints.server.protocol import ChatCompletionRequest
 from siesta.entrypoints.server.responses import (
-    json_logprob,
+    chat_logprobs,
     prompt_logprobs_json,
-    token_text,
-    top_entries,
     usage,
     weight_version,
     weight_versions,
@@ -30,7 +28,6 @@ from siesta.entrypoints.server.responses import (
 from siesta.entrypoints.server.sampling_params import chat_params
 from siesta.entrypoints.server.state import request_id, server_state
 from siesta.output_processor import OutputProcessor
-from siesta.request import Logprob
 
 router = APIRouter()
 OBJECT = "chat.completion"
@@ -84,7 +81,7 @@ def _choice(choice: Choice, return_token_ids: bool, as_ids: bool = False) -> dic
     entry = {
         "index": choice.index,
         "message": {"role": ROLE, "content": out.text},
-        "logprobs": _logprobs(choice, out.token_ids, out.logprobs, as_ids),
+        "logprobs": chat_logprobs(choice.state, out.token_ids, out.logprobs, as_ids),
         "finish_reason": choice.state.finish_reason,
         "stop_reason": choice.state.stop_reason,
         "weight_versions": weight_versions(choice.state),
@@ -119,7 +116,7 @@ class _DeltaWriter:
             entry = {
                 "index": choice.index,
                 "delta": message,
-                "logprobs": _logprobs(choice, delta.token_ids, delta.logprobs, self.as_ids),
+                "logprobs": chat_logprobs(choice.state, delta.token_ids, delta.logprobs, self.as_ids),
                 "finish_reason": choice.state.finish_reason,
                 "stop_reason": choice.state.stop_reason,
             }
@@ -130,21 +127,3 @@ class _DeltaWriter:
                     chunk["prompt_token_ids"] = list(choice.prompt.token_ids)
             out.append(chunk)
         return out
-
-
-def _logprobs(
-    choice: Choice, token_ids: list[int], entries: list[dict[int, Logprob]] | None, as_ids: bool = False
-) -> dict[str, Any] | None:
-    if entries is None:
-        return None
-    limit = choice.state.params.logprobs or 0
-    content = []
-    for token_id, entry in zip(token_ids, entries):
-        top = [_token_json(tid, lp, as_ids) for tid, lp in top_entries(entry, limit)]
-        content.append(_token_json(token_id, entry[token_id], as_ids) | {"top_logprobs": top})
-    return {"content": content}
-
-
-def _token_json(token_id: int, entry: Logprob, as_id: bool = False) -> dict[str, Any]:
-    text = token_text(entry, token_id, as_id)
-    return {"token": text, "logprob": json_logprob(entry.logprob), "bytes": list(text.encode("utf-8", "replace"))}

@@ -67,3 +67,23 @@ def prompt_logprobs_json(entries: list[dict[int, Logprob] | None], as_ids: bool 
 
 def _prompt_logprob_json(entry: Logprob, token_id: int, as_id: bool) -> dict[str, Any]:
     return {"logprob": json_logprob(entry.logprob), "rank": entry.rank, "decoded_token": token_text(entry, token_id, as_id)}
+
+
+def chat_logprobs(
+    state: RequestState, token_ids: list[int], entries: list[dict[int, Logprob]] | None, as_ids: bool = False
+) -> dict[str, Any] | None:
+    """OpenAI's chat logprobs object (also vLLM's /inference/v1/generate): one entry per token
+    with its ``top_logprobs``."""
+    if entries is None:
+        return None
+    limit = state.params.logprobs or 0
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        top = [_token_json(tid, lp, as_ids) for tid, lp in top_entries(entry, limit)]
+        content.append(_token_json(token_id, entry[token_id], as_ids) | {"top_logprobs": top})
+    return {"content": content}
+
+
+def _token_json(token_id: int, entry: Logprob, as_id: bool = False) -> dict[str, Any]:
+    text = token_text(entry, token_id, as_id)
+    return {"token": text, "logprob": json_logprob(entry.logprob), "bytes": list(text.encode("utf-8", "replace"))}

@@ -1,0 +1,150 @@
+"""POST /inference/v1/generate: vLLM's token-in/token-out route (prime-rl drives it).
+
+The body is ``token_ids`` and vLLM's ``sampling_params`` object, field for field; the answer
+is each choice's ``token_ids`` with chat-style ``logprobs``, the ``prompt_logprobs`` when
+asked, the usage and the weight version. No text is produced or returned: the caller owns
+the tokenizer, so it never re-tokenizes what the policy sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.background import BackgroundTask
+
+from siesta.entrypoints.server.async_llm import Choice
+from siesta.entrypoints.server.disconnect import abort_on_disconnect
+from siesta.entrypoints.server.errors import APIError
+from siesta.entrypoints.server.generation_io import EVENT_STREAM, collect, stream_events
+from siesta.entrypoints.server.jsonio import AsciiJSONResponse
+from siesta.entrypoints.server.limits import check_fanout
+from siesta.entrypoints.server.prompts import completion_prompts
+from siesta.entrypoints.server.protocol import Int, StreamOptions
+from siesta.entrypoints.server.responses import (
+    chat_logprobs,
+    prompt_logprobs_json,
+    usage,
+    weight_version,
+    weight_versions,
+)
+from siesta.entrypoints.server.state import REQUEST_ID_HEADER, server_state
+from siesta.output_processor import OutputProcessor
+from siesta.sampling import SamplingParams
+
+router = APIRouter()
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# vLLM's SamplingParams fields siesta does not implement (refused by name unless left at off).
+NOT_IMPLEMENTED = frozenset({
+    "best_of", "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "output_kind",
+    "detokenize", "guided_decoding", "structured_outputs", "logits_processors", "extra_args", "flat_logprobs",
+    "logprob_token_ids", "skip_clone",
+})  # fmt: skip
+_OFF_VALUES: tuple[Any, ...] = (None, False, [], {}, 1)
+
+
+class TokensGenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # vLLM's GenerateRequest; kv_transfer_params et al. are refused
+
+    token_ids: list[Int]
+    sampling_params: dict[str, Any] = {}
+    request_id: str | None = None
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    priority: Int = 0
+
+
+@router.post("/inference/v1/generate")
+async def generate_tokens(body: TokensGenerateRequest, request: Request) -> Response:
+    state = server_state(request)
+    state.check_model(body.model)
+    if body.priority != 0:
+        raise APIError(HTTPStatus.BAD_REQUEST, "priority scheduling is not supported by siesta; leave priority at 0",
+                       "priority")  # fmt: skip
+    params = _sampling_params(body.sampling_params)
+    check_fanout(1, params.n, state.config.max_request_fanout)
+    prompts = await asyncio.to_thread(
+        completion_prompts, state.llm.tokenizer, body.token_ids, state.info.vocab_size, state.prompt_limit
+    )
+    state.prompt_limit.check_completion(len(prompts[0].token_ids), params.max_tokens)
+    rid = body.request_id or request.headers.get(REQUEST_ID_HEADER) or f"gen-{uuid.uuid4().hex}"
+    generation = await state.llm.generate(rid, prompts, params, body.cache_salt)
+    abort_on_disconnect(request, generation)
+
+    def envelope(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"request_id": rid, "choices": choices}
+
+    if body.stream:
+        events = stream_events(generation, _DeltaWriter().chunks(envelope), envelope, body.stream_options)
+        return StreamingResponse(events, media_type=EVENT_STREAM, background=BackgroundTask(generation.close))
+    await collect(generation)
+    scored = generation.choices[0].state.prompt_logprobs
+    return AsciiJSONResponse(
+        envelope([_choice(c) for c in generation.choices])
+        | {
+            "prompt_logprobs": None if scored is None else prompt_logprobs_json(scored),
+            "kv_transfer_params": None,
+            "usage": usage(generation),
+            "weight_version": weight_version(generation),
+        }
+    )
+
+
+def _sampling_params(given: dict[str, Any]) -> SamplingParams:
+    for name, value in given.items():
+        if name in _FIELDS:
+            continue
+        if name in NOT_IMPLEMENTED:
+            if value in _OFF_VALUES:
+                continue
+            raise APIError(HTTPStatus.BAD_REQUEST, f"sampling_params.{name} is not supported by siesta yet; leave it out",
+                           f"sampling_params.{name}")  # fmt: skip
+        raise APIError(HTTPStatus.BAD_REQUEST, f"sampling_params.{name} is not a vLLM sampling parameter",
+                       f"sampling_params.{name}")  # fmt: skip
+    try:
+        return SamplingParams(**{k: v for k, v in given.items() if k in _FIELDS})
+    except (ValueError, TypeError) as e:
+        first = str(e).split(" ", 1)[0]
+        name = f"sampling_params.{first}" if first in _FIELDS else "sampling_params"
+        raise APIError(HTTPStatus.BAD_REQUEST, f"sampling_params.{e}" if first in _FIELDS else str(e), name) from None
+
+
+def _choice(choice: Choice) -> dict[str, Any]:
+    out = OutputProcessor.completion(choice.state)
+    return {
+        "index": choice.index,
+        "logprobs": chat_logprobs(choice.state, out.token_ids, out.logprobs),
+        "finish_reason": out.finish_reason,
+        "token_ids": out.token_ids,
+        "weight_versions": weight_versions(choice.state),
+    }
+
+
+class _DeltaWriter:
+    """vLLM's stream: each chunk a choice's new token ids and their logprobs."""
+
+    def chunks(self, envelope):
+        def write(changed: list[Choice]) -> list[dict[str, Any]]:
+            out = []
+            for choice in changed:
+                delta = OutputProcessor.completion(choice.state, delta=True)
+                if not (delta.token_ids or delta.finish_reason):
+                    continue
+                entry = {
+                    "index": choice.index,
+                    "logprobs": chat_logprobs(choice.state, delta.token_ids, delta.logprobs),
+                    "finish_reason": delta.finish_reason,
+                    "token_ids": delta.token_ids,
+                }
+                out.append(envelope([entry]))
+            return out
+
+        return write
