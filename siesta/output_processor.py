@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -50,7 +51,7 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> RequestState:
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
             )
@@ -90,8 +91,9 @@ class OutputProcessor:
             self._extend_spans(state, out.weight_version, len(out.new_token_ids))
         state.token_ids.extend(out.new_token_ids)
         if out.new_logprobs and state.logprobs is not None:
+            decode = self._decode_one if state.params.detokenize else _no_text
             for lp in out.new_logprobs:
-                state.logprobs.append(self._logprob_dict(lp.token_id, lp.logprob, lp.rank, lp.top))
+                state.logprobs.append(_logprob_dict(lp.token_id, lp.logprob, lp.rank, lp.top, decode))
                 state.cumulative_logprob += lp.logprob
         if state.detokenizer is not None and out.new_token_ids:
             delta = state.detokenizer.push(out.new_token_ids)
@@ -121,11 +123,6 @@ class OutputProcessor:
         state.finish_reason = "stop"
         return True
 
-    def _logprob_dict(self, token_id: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
-        entry = {tid: Logprob(lp, rank=i + 1, decoded_token=self._decode_one(tid)) for i, (tid, lp) in enumerate(top)}
-        entry[token_id] = Logprob(logprob, rank=rank, decoded_token=self._decode_one(token_id))
-        return entry
-
     def _decode_one(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
@@ -146,9 +143,11 @@ class OutputProcessor:
         text, tokens = state.text, state.token_ids
         logprobs = state.logprobs
         if delta:
-            text, tokens = text[state.sent_text :], tokens[state.sent_tokens :]
+            text_end = len(state.text) if state.finished else max(len(state.text) - _held_back(state.params), 0)
+            text_end = max(text_end, state.sent_text)
+            text, tokens = text[state.sent_text : text_end], tokens[state.sent_tokens :]
             logprobs = None if logprobs is None else logprobs[state.sent_tokens :]
-            state.sent_text, state.sent_tokens = len(state.text), len(state.token_ids)
+            state.sent_text, state.sent_tokens = text_end, len(state.token_ids)
         return CompletionOutput(
             index=index,
             text=text,
@@ -172,3 +171,23 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens,
             weight_version=first.weight_version,
         )
+
+
+def _held_back(params: SamplingParams) -> int:
+    """Characters a delta keeps back until the request ends (vLLM's output_text_buffer_length):
+    a stop string may begin in them, and text cut at a stop must never have been sent."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(stop) for stop in params.stop) - 1
+
+
+def _no_text(_: int) -> None:
+    return None
+
+
+def _logprob_dict(
+    token_id: int, logprob: float, rank: int, top: list[tuple[int, float]], decode: Callable[[int], str | None]
+) -> dict[int, Logprob]:
+    entry = {tid: Logprob(lp, rank=i + 1, decoded_token=decode(tid)) for i, (tid, lp) in enumerate(top)}
+    entry[token_id] = Logprob(logprob, rank=rank, decoded_token=decode(token_id))
+    return entry
