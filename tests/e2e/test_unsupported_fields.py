@@ -15,7 +15,8 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     [
         ("/v1/completions", COMPLETION, "echo", True),
         ("/v1/completions", COMPLETION, "prompt_logprobs", 1),
-        ("/v1/completions", COMPLETION, "logit_bias", {"50": 10}),
+        ("/v1/completions", COMPLETION, "suffix", " and so on"),
+        ("/v1/completions", COMPLETION, "use_beam_search", True),
         ("/v1/completions", COMPLETION, "best_of", 3),
         ("/v1/chat/completions", CHAT, "response_format", {"type": "json_object"}),
         ("/v1/chat/completions", CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
@@ -30,7 +31,7 @@ def test_an_unimplemented_field_is_refused_by_name(dev_server, route, base, fiel
 @pytest.mark.parametrize(
     ("route", "base", "extra"),
     [
-        ("/v1/completions", COMPLETION, {"echo": False, "logit_bias": None, "best_of": 1}),
+        ("/v1/completions", COMPLETION, {"echo": False, "suffix": None, "best_of": 1}),
         ("/v1/chat/completions", CHAT, {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}),
         ("/v1/completions", COMPLETION, {"x_my_tracing_id": "abc"}),  # no one's field: ignored
     ],
