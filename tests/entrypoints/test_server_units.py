@@ -13,11 +13,13 @@ from siesta.entrypoints.server.limits import PromptLimit
 from siesta.entrypoints.server.prompts import completion_prompts
 from siesta.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from siesta.entrypoints.server.query_types import parse_bool
-from siesta.entrypoints.server.sampling_params import chat_params, child_params, completion_params
+from siesta.entrypoints.server.sampling_params import chat_params, child_params, completion_params, tokenize_params
 from siesta.entrypoints.server.state import ServerConfig
 from siesta.ipc.protocol import EngineInfo
 from siesta.ipc.remote_errors import EngineDeadError
 from siesta.metrics import MetricsRegistry
+from siesta.sampling import SamplingParams
+from siesta.tokenizer import bad_words_token_ids
 
 REFUSAL = "FakeConnector cannot keep its cache across a pause; drop clear_connector_cache=False"
 VOCAB = 100
@@ -54,6 +56,17 @@ def test_logit_bias_keys_become_token_ids_and_biases_are_clamped():
     assert (p.allowed_token_ids, p.bad_words, p.truncate_prompt_tokens) == ([5, 7], ["no"], -1)
     with pytest.raises(ValueError, match="^logit_bias keys must be token ids"):
         completion_params(CompletionRequest(prompt="x", logit_bias={"five": 1.0}))
+
+
+def test_bad_words_become_token_ids_and_odd_text_is_a_400(embedded_tokenizer):
+    params = tokenize_params(SamplingParams(bad_words=["Paris"]), embedded_tokenizer, VOCAB_EMBEDDED)
+    assert params.bad_words_token_ids == bad_words_token_ids(embedded_tokenizer, ["Paris"])
+    for words, tokenizer in ((["\ud800"], embedded_tokenizer), (["Paris"], None)):  # a lone surrogate; no tokenizer
+        with pytest.raises(APIError) as err:
+            tokenize_params(SamplingParams(bad_words=words), tokenizer, VOCAB_EMBEDDED)
+        assert err.value.status == 400 and err.value.param == "bad_words"
+    with pytest.raises(ValueError, match="^allowed_token_ids holds token id 100"):
+        tokenize_params(SamplingParams(allowed_token_ids=[100]), None, VOCAB)
 
 
 def test_chat_lengths_and_logprobs():

@@ -77,7 +77,13 @@ def tokenize_params(
     if params.bad_words:
         if tokenizer is None:
             raise APIError(_BAD_REQUEST, "bad_words need a tokenizer, and this model has none", "bad_words")
-        params = params.replace(bad_words_token_ids=bad_words_token_ids(tokenizer, params.bad_words))
+        try:
+            token_ids = bad_words_token_ids(tokenizer, params.bad_words)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - tokenizers raise many types on odd text (lone surrogates, ...)
+            raise APIError(_BAD_REQUEST, f"cannot tokenize bad_words: {e}", "bad_words") from None
+        params = params.replace(bad_words_token_ids=token_ids)
     params.verify_token_ids(vocab_size)
     return params
 
