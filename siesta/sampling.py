@@ -80,7 +80,8 @@ class SamplingParams:
         if isinstance(self.allowed_token_ids, (list, tuple)):
             self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.bad_words_token_ids, (list, tuple)):
-            self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
+            self.bad_words_token_ids = [list(ids) if isinstance(ids, (list, tuple)) else ids
+                                        for ids in self.bad_words_token_ids]  # fmt: skip
         self._validate()
 
     @property
@@ -155,8 +156,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0, maximum=MAX_LOGPROBS)
         self._validate_stops()
-        if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")  # noqa: TRY004 - every bad field is a ValueError
+        if not isinstance(self.output_kind, RequestOutputKind):  # a ValueError too, as every bad field
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")  # noqa: TRY004
         _check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         _check_logit_bias(self.logit_bias)
         _check_allowed_token_ids(self.allowed_token_ids)
@@ -197,7 +198,7 @@ def _normalise_bad_words(words: list[str] | None) -> list[str]:
     if words is None:
         return []
     if isinstance(words, str) or not isinstance(words, (list, tuple)):
-        raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}")  # noqa: TRY004 - every bad field is a ValueError
+        raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}")  # noqa: TRY004
     for word in words:
         if not isinstance(word, str) or not word:
             raise ValueError(f"bad_words must hold non-empty strings, got {word!r}")
@@ -247,7 +248,7 @@ def _check_logit_bias(bias: Any) -> None:
     if bias is None:
         return
     if not isinstance(bias, dict):
-        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")  # noqa: TRY004 - every bad field is a ValueError
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")  # noqa: TRY004
     for token_id, value in bias.items():
         _check_int("logit_bias", token_id, minimum=0)
         # Banning and forcing are allowed_token_ids' and bad_words' work: an infinite bias
@@ -269,11 +270,11 @@ def _check_bad_words_token_ids(sequences: Any) -> None:
     name = "bad_words_token_ids"
     if sequences is None:
         return
+    if not isinstance(sequences, list) or not all(isinstance(ids, list) and ids for ids in sequences):
+        raise ValueError(f"{name} must be a list of non-empty lists of token ids, got {sequences!r}")
     if len(sequences) > MAX_NUM_BAD_WORDS:
         raise ValueError(f"{name} holds {len(sequences)} token sequences; at most {MAX_NUM_BAD_WORDS} are allowed")
     for ids in sequences:
-        if not ids:
-            raise ValueError(f"{name} must hold non-empty token sequences")
         for token_id in ids:
             _check_int(name, token_id, minimum=0)
     total = sum(len(ids) for ids in sequences)

@@ -104,6 +104,7 @@ def test_defaults_equal_vllm() -> None:
         ("truncate_prompt_tokens", True),
         ("output_kind", 1),
         ("bad_words_token_ids", [[]]),
+        ("bad_words_token_ids", [5]),
         ("bad_words_token_ids", [[1, -3]]),
         ("bad_words_token_ids", [[1]] * (MAX_NUM_BAD_WORDS + 1)),
         ("bad_words_token_ids", [[1] * (MAX_BAD_WORDS_TOTAL_TOKENS + 1)]),
