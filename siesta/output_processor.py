@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -52,7 +53,7 @@ class OutputProcessor:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> RequestState:
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detok = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
             )
@@ -96,8 +97,9 @@ class OutputProcessor:
         if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
             self._extend_prompt_logprobs(state, out.prompt_logprobs)
         if out.new_logprobs and state.logprobs is not None:
+            decode = self.decode_token if state.params.detokenize else _no_text
             for lp in out.new_logprobs:
-                state.logprobs.append(self._logprob_dict(lp.token_id, lp.logprob, lp.rank, lp.top))
+                state.logprobs.append(_logprob_dict(lp.token_id, lp.logprob, lp.rank, lp.top, decode))
                 state.cumulative_logprob += lp.logprob
         if state.detokenizer is not None and out.new_token_ids:
             delta = state.detokenizer.push(out.new_token_ids)
@@ -127,19 +129,15 @@ class OutputProcessor:
         state.finish_reason = "stop"
         return True
 
-    def _logprob_dict(self, token_id: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
-        entry = {tid: Logprob(lp, rank=i + 1, decoded_token=self.decode_token(tid)) for i, (tid, lp) in enumerate(top)}
-        entry[token_id] = Logprob(logprob, rank=rank, decoded_token=self.decode_token(token_id))
-        return entry
-
     def _extend_prompt_logprobs(self, state: RequestState, scores: PromptLogprobs) -> None:
         """vLLM's order: the prompt token first, then the top-n by rank (the prompt token among
         them keeps its place and takes its top-n rank, which is its rank)."""
         decoded: dict[int, str | None] = {}  # a chunk's top-n repeat the same few tokens
+        decode = self.decode_token if state.params.detokenize else _no_text
 
         def logprob(token_id: int, value: float, rank: int) -> Logprob:
             if token_id not in decoded:
-                decoded[token_id] = self.decode_token(token_id)
+                decoded[token_id] = decode(token_id)
             return Logprob(value, rank=rank, decoded_token=decoded[token_id])
 
         prompt = state.prompt_token_ids
@@ -171,9 +169,11 @@ class OutputProcessor:
         text, tokens = state.text, state.token_ids
         logprobs = state.logprobs
         if delta:
-            text, tokens = text[state.sent_text :], tokens[state.sent_tokens :]
+            text_end = len(state.text) if state.finished else max(len(state.text) - _held_back(state.params), 0)
+            text_end = max(text_end, state.sent_text)
+            text, tokens = text[state.sent_text : text_end], tokens[state.sent_tokens :]
             logprobs = None if logprobs is None else logprobs[state.sent_tokens :]
-            state.sent_text, state.sent_tokens = len(state.text), len(state.token_ids)
+            state.sent_text, state.sent_tokens = text_end, len(state.token_ids)
         return CompletionOutput(
             index=index,
             text=text,
@@ -198,3 +198,23 @@ class OutputProcessor:
             weight_version=first.weight_version,
             prompt_logprobs=first.prompt_logprobs,
         )
+
+
+def _held_back(params: SamplingParams) -> int:
+    """Characters a delta keeps back until the request ends (vLLM's output_text_buffer_length):
+    a stop string may begin in them, and text cut at a stop must never have been sent."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(stop) for stop in params.stop) - 1
+
+
+def _no_text(_: int) -> None:
+    return None
+
+
+def _logprob_dict(
+    token_id: int, logprob: float, rank: int, top: list[tuple[int, float]], decode: Callable[[int], str | None]
+) -> dict[int, Logprob]:
+    entry = {tid: Logprob(lp, rank=i + 1, decoded_token=decode(tid)) for i, (tid, lp) in enumerate(top)}
+    entry[token_id] = Logprob(logprob, rank=rank, decoded_token=decode(token_id))
+    return entry

@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from siesta.sampling import MAX_LOGPROBS, SamplingParams
+from siesta.sampling import (
+    MAX_BAD_WORDS_TOTAL_TOKENS,
+    MAX_LOGPROBS,
+    MAX_NUM_BAD_WORDS,
+    RequestOutputKind,
+    SamplingParams,
+)
 
 # vLLM's SamplingParams defaults, written out by hand (after __post_init__ normalisation).
 VLLM_DEFAULTS: dict[str, Any] = {
@@ -30,6 +36,13 @@ VLLM_DEFAULTS: dict[str, Any] = {
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "include_stop_str_in_output": False,
+    "detokenize": True,
+    "output_kind": RequestOutputKind.CUMULATIVE,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "truncate_prompt_tokens": None,
+    "bad_words_token_ids": None,  # vLLM's _bad_words_token_ids
 }
 
 
@@ -76,6 +89,29 @@ def test_defaults_equal_vllm() -> None:
         ("stop", ""),
         ("stop_token_ids", [-1]),
         ("stop_token_ids", [1, "2"]),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"5": 1.0}),
+        ("logit_bias", {True: 1.0}),
+        ("logit_bias", {5: float("nan")}),
+        ("logit_bias", {5: float("inf")}),
+        ("logit_bias", {5: "1"}),
+        ("logit_bias", [5, 1.0]),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [3, -1]),
+        ("allowed_token_ids", [2.0]),
+        ("bad_words", [""]),
+        ("bad_words", "word"),
+        ("bad_words", ["ok", 3]),
+        ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2),
+        ("truncate_prompt_tokens", 1.5),
+        ("truncate_prompt_tokens", True),
+        ("output_kind", 1),
+        ("bad_words_token_ids", [[]]),
+        ("bad_words_token_ids", [5]),
+        ("bad_words_token_ids", [[1, -3]]),
+        ("bad_words_token_ids", [[1]] * (MAX_NUM_BAD_WORDS + 1)),
+        ("bad_words_token_ids", [[1] * (MAX_BAD_WORDS_TOTAL_TOKENS + 1)]),
     ],
 )
 def test_invalid_value_names_the_field(field: str, value: Any) -> None:
@@ -108,6 +144,13 @@ def test_min_tokens_above_max_tokens_is_refused() -> None:
         {"prompt_logprobs": MAX_LOGPROBS},
         {"seed": -(2**63)},
         {"seed": 2**64 - 1},
+        {"logit_bias": {0: -100.0, 7: 250.5}},  # no clamp offline: vLLM clamps over HTTP only
+        {"allowed_token_ids": [0]},
+        {"truncate_prompt_tokens": -1},
+        {"truncate_prompt_tokens": 1},
+        {"detokenize": False},
+        {"output_kind": RequestOutputKind.FINAL_ONLY},
+        {"bad_words_token_ids": [[1]] * MAX_NUM_BAD_WORDS},
     ],
 )
 def test_boundary_values_are_accepted(kwargs: dict[str, Any]) -> None:
@@ -158,3 +201,59 @@ def test_replace_validates_again() -> None:
 )
 def test_has_penalties(kwargs: dict[str, Any], expected: bool) -> None:
     assert SamplingParams(**kwargs).has_penalties is expected
+
+
+def test_stop_strings_need_detokenize() -> None:
+    with pytest.raises(ValueError, match="stop strings need detokenize"):
+        SamplingParams(stop=["\n"], detokenize=False)
+    assert SamplingParams(stop_token_ids=[2], detokenize=False).stop_token_ids == [2]
+
+
+def test_bad_words_drop_repeats_and_containers_are_copied() -> None:
+    bias, allowed = {5: 1.0}, [1, 2]
+    params = SamplingParams(bad_words=["a", "b", "a"], logit_bias=bias, allowed_token_ids=allowed)
+    bias[6] = 2.0
+    allowed.append(3)
+    assert (params.bad_words, params.logit_bias, params.allowed_token_ids) == (["a", "b"], {5: 1.0}, [1, 2])
+    clone = params.clone()
+    clone.logit_bias[7] = 0.5
+    clone.allowed_token_ids.append(9)
+    assert (params.logit_bias, params.allowed_token_ids) == ({5: 1.0}, [1, 2])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"logit_bias": {100: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": [3, 100]}, "allowed_token_ids"),
+        ({"bad_words": ["x"], "bad_words_token_ids": [[3, 100]]}, "bad_words"),
+    ],
+)
+def test_token_ids_are_checked_against_the_vocabulary(kwargs: dict[str, Any], field: str) -> None:
+    params = SamplingParams(**kwargs)
+    with pytest.raises(ValueError, match=rf"^{field} holds token id 100, outside the vocabulary \[0, 100\)"):
+        params.verify_token_ids(100)
+    params.verify_token_ids(101)
+
+
+@pytest.mark.parametrize(("k", "kept"), [(None, None), (-1, 64), (1, 1), (64, 64)])
+def test_prompt_truncation(k: int | None, kept: int | None) -> None:
+    assert SamplingParams(truncate_prompt_tokens=k).prompt_truncation(max_model_len=64) == kept
+
+
+def test_truncation_beyond_max_model_len_is_refused() -> None:
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be <= max_model_len=64"):
+        SamplingParams(truncate_prompt_tokens=65).prompt_truncation(max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({}, False),
+        ({"bad_words": ["x"], "bad_words_token_ids": [[5], [6]]}, False),  # one-token words need no history
+        ({"bad_words": ["xy"], "bad_words_token_ids": [[5], [6, 7]]}, True),
+        ({"presence_penalty": 0.5}, True),
+    ],
+)
+def test_reads_output_tokens(kwargs: dict[str, Any], expected: bool) -> None:
+    assert SamplingParams(**kwargs).reads_output_tokens is expected

@@ -203,6 +203,7 @@ class EngineCore:
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
         if bad is not None:
             raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        self._validate_sampling_token_ids(req.sampling_params)
         max_tokens = req.sampling_params.max_tokens
         total = self.max_model_len if max_tokens is None else min(n + max_tokens, self.max_model_len)
         # The last sampled token is never written to the cache.
@@ -213,6 +214,15 @@ class EngineCore:
                 f"{self.kv.pool.num_blocks} blocks of {self.config.cache.block_size} tokens; "
                 "shorten the prompt or max_tokens, or give the cache more memory"
             )
+
+    def _validate_sampling_token_ids(self, params: SamplingParams) -> None:
+        if params.bad_words and params.bad_words_token_ids is None:
+            # The core has no tokenizer: the front end turns the words into token ids.
+            raise RequestRejected("bad_words were not tokenized: set bad_words_token_ids (siesta.tokenizer)")
+        try:
+            params.verify_token_ids(self.vocab_size)
+        except ValueError as e:
+            raise RequestRejected(str(e)) from None
 
     def abort_requests(self, request_ids: list[str]) -> None:
         ids = set(request_ids)
@@ -299,8 +309,8 @@ class EngineCore:
 
     def _may_run_ahead(self) -> bool:
         """Whether the next step may be scheduled before the last one's samples are read:
-        penalties need every token of a request's output on the host."""
-        return not any(r.sampling_params.has_penalties for r in self.scheduler.running)
+        penalties and multi-token bad words need every token of a request's output on the host."""
+        return not any(r.sampling_params.reads_output_tokens for r in self.scheduler.running)
 
     def _finish_inflight(self) -> list[EngineCoreOutput]:
         if self._inflight is None:

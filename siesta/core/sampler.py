@@ -1,9 +1,19 @@
 """The batched sampler: one step's logits in, one token (and its logprobs) per row out.
 
-Order of operations is vLLM's: logprobs come from the raw model logits; then
-banned tokens, penalties, and either argmax (greedy rows) or temperature,
-min_p, top_k, top_p and a random draw. Every stage works on the whole batch
-at once; Python loops run over rows only where a row owns its generator.
+Order of operations is vLLM's (v1 sampler):
+
+1. logprobs, when asked for, come from the raw model logits: nothing below changes them;
+2. allowed_token_ids: every other token to -inf;
+3. bans to -inf: EOS and stop ids before min_tokens, and bad words (the last token of a
+   bad word whose earlier tokens the output ends with);
+4. logit_bias added;
+5. penalties: repetition, then frequency and presence;
+6. argmax (greedy rows), or temperature, min_p, top_k, top_p and a random draw.
+
+Bans before the bias or after it come to the same: a finite bias leaves -inf alone.
+Every stage works on the whole batch at once, building flat ``row * vocab + token``
+positions for one index_fill / index_add / index_copy, and costs nothing when no row
+uses it; Python loops run over rows (and a row's few bad words), never the vocabulary.
 
 A seeded row draws its randomness only from its own generator, always the
 same amount per step, so its tokens do not depend on the rest of the batch.
@@ -18,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from siesta.core.staging import HostCopy, to_device
+from siesta.core.staging import HostCopy, to_device, to_device_many
 from siesta.request import PromptLogprobs
 from siesta.sampling import SamplingParams
 
@@ -88,7 +98,9 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         logits = logits.float().contiguous()
         raw = _RawLogprobs.compute(logits, rows)
-        processed = apply_penalties(apply_bans(logits, rows), rows)
+        processed = apply_allowed_token_ids(logits, rows)
+        processed = apply_logit_bias(apply_bans(processed, rows), rows)
+        processed = apply_penalties(processed, rows)
         return PendingSamples(self._choose_tokens(processed, rows), raw, rows, prompt)
 
     def _choose_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -141,15 +153,64 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 # -- logits processing (public so tests can check each stage against an oracle) --------
 
 
+def apply_allowed_token_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """``logits`` with every token outside a row's ``allowed_token_ids`` at -inf (a new tensor when
+    any row has the field; rows without it keep all their tokens)."""
+    chosen = [i for i, row in enumerate(rows) if row.params.allowed_token_ids]
+    if not chosen:
+        return logits
+    index = _device_tensor(chosen, torch.int64, logits.device)
+    subset = logits[index]  # a contiguous copy, so its flat view is safe to read
+    positions = _token_positions([(rows[i].params.allowed_token_ids,) for i in chosen], logits.shape[1], logits.device)
+    allowed = torch.full_like(subset, NEG_INF)
+    allowed.view(-1).index_copy_(0, positions, subset.view(-1)[positions])
+    return allowed if len(chosen) == len(rows) else logits.index_copy(0, index, allowed)
+
+
+def bad_word_bans(bad_words_token_ids: Sequence[Sequence[int]] | None, output_token_ids: Sequence[int]) -> list[int]:
+    """The tokens a row's bad words forbid next: a word's last token, where the output so far
+    ends with the word's earlier tokens (a one-token word always). vLLM matches the output
+    only, not the prompt, so a word begun in the prompt is not finished off here either."""
+    if not bad_words_token_ids:
+        return []
+    n = len(output_token_ids)
+    bans = []
+    for word in bad_words_token_ids:
+        prefix = len(word) - 1
+        if prefix <= n and (prefix == 0 or list(output_token_ids[n - prefix :]) == list(word[:-1])):
+            bans.append(word[-1])
+    return bans
+
+
 def apply_bans(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """``logits`` with each row's banned tokens at -inf (a new tensor when any are banned)."""
-    banned = [(row.banned_token_ids,) for row in rows]
-    if not any(len(ids) for (ids,) in banned):
+    """``logits`` with each row's banned tokens (``banned_token_ids`` and its bad words' next
+    tokens) at -inf (a new tensor when any are banned)."""
+    banned = [(row.banned_token_ids, bad_word_bans(row.params.bad_words_token_ids, row.output_token_ids)) for row in rows]
+    if not any(len(ids) for parts in banned for ids in parts):
         return logits
     positions = _token_positions(banned, logits.shape[1], logits.device)
     banned_logits = logits.clone(memory_format=torch.contiguous_format)
     banned_logits.view(-1).index_fill_(0, positions, NEG_INF)
     return banned_logits
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """``logits`` plus each row's ``logit_bias`` (a new tensor when any row has one)."""
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased:
+        return logits
+    biases = [rows[i].params.logit_bias for i in biased]
+    token_ids = np.fromiter((t for bias in biases for t in bias), dtype=np.int64)
+    values = np.fromiter((v for bias in biases for v in bias.values()), dtype=np.float32)
+    row_ids = np.repeat(np.asarray(biased, dtype=np.int64), [len(bias) for bias in biases])
+    vocab = logits.shape[1]
+    in_vocab = (token_ids >= 0) & (token_ids < vocab)  # as _token_positions: odd ids never fail a step
+    positions, added = to_device_many(
+        [torch.from_numpy(row_ids[in_vocab] * vocab + token_ids[in_vocab]), torch.from_numpy(values[in_vocab])],
+        logits.device,
+    )
+    # A dict holds each token once, so no position repeats: the sum is deterministic on CUDA too.
+    return logits.clone(memory_format=torch.contiguous_format).view(-1).index_add_(0, positions, added).view_as(logits)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

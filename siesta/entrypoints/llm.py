@@ -14,8 +14,8 @@ from siesta.core.engine_core import EngineCore, EngineCoreRequest, EngineStateEr
 from siesta.metrics import MetricsRegistry
 from siesta.output_processor import OutputProcessor
 from siesta.request import RequestOutput
-from siesta.sampling import SamplingParams
-from siesta.tokenizer import chat_to_ids, encode
+from siesta.sampling import RequestOutputKind, SamplingParams
+from siesta.tokenizer import bad_words_token_ids, chat_to_ids, encode, truncate_ids
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -111,7 +111,8 @@ class LLM:
         return self._add(prompt, sampling_params or SamplingParams())
 
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:
-        text, token_ids, cache_salt = self._tokenize(prompt)
+        params = self._prepare_params(params)
+        text, token_ids, cache_salt = self._tokenize(prompt, params.prompt_truncation(self.engine.max_model_len))
         parent = str(next(self._ids))
         children = [parent] if params.n == 1 else [f"{parent}-{i}" for i in range(params.n)]
         added: list[str] = []
@@ -130,18 +131,26 @@ class LLM:
         self._parent_of.update((c, parent) for c in children)
         return parent
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+    def _prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """The request's own copy, with its bad words as token ids (the core has no tokenizer)."""
+        if not params.bad_words:
+            return params
+        token_ids = bad_words_token_ids(self._require_tokenizer(), params.bad_words)
+        return params.replace(bad_words_token_ids=token_ids)
+
+    def _tokenize(self, prompt: PromptType, truncate_to: int | None = None) -> tuple[str | None, list[int], str | None]:
+        """(text, token ids, cache salt); with ``truncate_to`` only the prompt's last tokens."""
         if isinstance(prompt, str):
-            return prompt, encode(self._require_tokenizer(), prompt), None
+            return prompt, encode(self._require_tokenizer(), prompt, truncate_to), None
         if isinstance(prompt, dict):
             salt = prompt.get("cache_salt")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"]), salt
+                return prompt.get("prompt"), truncate_ids(prompt["prompt_token_ids"], truncate_to), salt
             if "prompt" in prompt:
-                return prompt["prompt"], encode(self._require_tokenizer(), prompt["prompt"]), salt
+                return prompt["prompt"], encode(self._require_tokenizer(), prompt["prompt"], truncate_to), salt
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt), None
+            return None, truncate_ids(prompt, truncate_to), None
         raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
 
     def _require_tokenizer(self):
@@ -166,15 +175,19 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests (from ``add_request``) that progressed,
-        finished ones for the last time."""
+        finished ones for the last time, as their ``output_kind`` says: everything so far
+        (CUMULATIVE), what is new since the last output (DELTA), or only the finished
+        output (FINAL_ONLY). ``generate`` always returns whole outputs, as vLLM's does."""
         self._drive_once()
         outputs = []
         for parent in sorted(self._unreported, key=int):
+            states = [self.processor.states[c] for c in self._children[parent]]
+            kind = states[0].params.output_kind
+            delta = kind is RequestOutputKind.DELTA
             if self._group_finished(parent):
-                outputs.append(self._collect(parent))
-            else:
-                states = [self.processor.states[c] for c in self._children[parent]]
-                outputs.append(OutputProcessor.request_output(parent, states))
+                outputs.append(self._collect(parent, delta))
+            elif kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(OutputProcessor.request_output(parent, states, delta))
         self._unreported.clear()
         return outputs
 
@@ -210,14 +223,14 @@ class LLM:
     def _group_finished(self, parent: str) -> bool:
         return all(c in self._done for c in self._children[parent])
 
-    def _collect(self, parent: str) -> RequestOutput:
+    def _collect(self, parent: str, delta: bool = False) -> RequestOutput:
         children = self._children.pop(parent)
         states = [self.processor.pop(c) for c in children]
         for c in children:
             self._parent_of.pop(c, None)
             self._done.discard(c)
         self._unreported.discard(parent)
-        return OutputProcessor.request_output(parent, states)
+        return OutputProcessor.request_output(parent, states, delta)
 
     # -- pause, sleep, weights ---------------------------------------------------------
 

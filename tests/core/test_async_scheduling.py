@@ -81,6 +81,19 @@ def test_penalties_fall_back_to_reading_each_step_first():
     assert run(engine(True), ps, params) == run(engine(False), ps, params)
 
 
+def test_multi_token_bad_words_fall_back_to_reading_each_step_first():
+    """A two-token bad word is matched against the whole output, so a step may not run ahead of
+    the last sample: the async engine must ban exactly what the synchronous one bans."""
+    ps, sync = prompts(2, seed=6, max_len=40), engine(False)
+    free = run(sync, ps, [SamplingParams(temperature=0, max_tokens=8)] * 2)
+    words = [tokens[3:5] for tokens, _, _ in free]  # each greedy run would complete its word
+    params = [SamplingParams(temperature=0, max_tokens=8, bad_words_token_ids=[word]) for word in words]
+    expected = run(sync, ps, params)
+    assert run(engine(True), ps, params) == expected
+    for (tokens, _, _), word in zip(expected, words):
+        assert all(tokens[i : i + 2] != word for i in range(len(tokens) - 1))
+
+
 def test_the_next_step_is_launched_before_the_last_is_read_back():
     llm = engine(True)
     events: list[str] = []

@@ -6,6 +6,7 @@ penalty processor), never by calling the sampler's own stages.
 
 from __future__ import annotations
 
+import itertools
 import math
 from array import array
 from collections import Counter
@@ -20,7 +21,11 @@ from siesta.core.sampler import (
     SampleResult,
     Sampler,
     SamplingRow,
+    apply_allowed_token_ids,
+    apply_bans,
+    apply_logit_bias,
     apply_penalties,
+    bad_word_bans,
     filter_logits,
     make_generator,
 )
@@ -443,6 +448,122 @@ def test_input_logits_are_not_modified(device: torch.device) -> None:
     ]
     Sampler()(logits, rows)
     assert torch.equal(logits, before)
+
+
+# -- logit_bias, allowed_token_ids, bad_words ----------------------------------------------
+
+
+def bad_words(*words: list[int]) -> SamplingParams:
+    """Greedy params with bad words given as token sequences (the front end's work)."""
+    return SamplingParams(temperature=0.0, bad_words=[f"w{i}" for i in range(len(words))], bad_words_token_ids=list(words))
+
+
+def test_logit_bias_and_allowed_ids_match_a_plain_reference(device: torch.device) -> None:
+    logits = random_logits(4, 50, seed=21, device=device)
+    rows = [
+        row(SamplingParams(logit_bias={3: 2.5, 49: -7.0, 0: 0.25})),
+        row(SamplingParams(allowed_token_ids=[5, 9, 9, 40])),  # a repeated id is still one token
+        row(SamplingParams()),
+        row(SamplingParams(logit_bias={9: 1.0}, allowed_token_ids=[9, 10])),
+    ]
+    expected = logits.double().cpu().clone()
+    for i, r in enumerate(rows):
+        if r.params.allowed_token_ids:
+            mask = torch.ones(50, dtype=torch.bool)
+            mask[r.params.allowed_token_ids] = False
+            expected[i, mask] = -math.inf
+        for token, bias in (r.params.logit_bias or {}).items():
+            expected[i, token] += bias
+    processed = apply_logit_bias(apply_allowed_token_ids(logits, rows), rows)
+    torch.testing.assert_close(processed.double().cpu(), expected)
+
+
+def test_rows_without_the_fields_pay_nothing(device: torch.device) -> None:
+    logits = random_logits(3, 40, seed=22, device=device)
+    rows = [row(SamplingParams(top_p=0.5)), row(), row(SamplingParams(logit_bias={}))]
+    for stage in (apply_allowed_token_ids, apply_bans, apply_logit_bias):
+        assert stage(logits, rows) is logits  # no copy, no launch
+
+
+def test_a_bias_flips_the_greedy_choice_of_its_row_only(device: torch.device) -> None:
+    logits = torch.tensor([SMALL_LOGITS] * 3, device=device)
+    rows = [row(SamplingParams(temperature=0.0, logit_bias={3: 2.0})), row(), row(SamplingParams(temperature=0.0, logit_bias={0: -1.0}))]
+    # Token 3: 0.3 + 2.0 beats token 0's 2.0; token 0 at 1.0 falls behind token 5 (1.5).
+    assert tokens(Sampler()(logits, rows)) == [3, 0, 5]
+
+
+def test_allowed_token_ids_restrict_sampled_and_greedy_rows(device: torch.device) -> None:
+    allowed, draws = [1, 4, 7], DRAWS // 5  # three tokens of fair mass: fewer draws tell
+    logits = torch.tensor([SMALL_LOGITS] * draws, device=device)
+    drawn = tokens(Sampler(seed=23)(logits, [row(SamplingParams(allowed_token_ids=allowed))] * draws))
+    masked = [x if i in allowed else -math.inf for i, x in enumerate(SMALL_LOGITS)]
+    assert_matches_distribution(drawn, expected_distribution(masked, SamplingParams()))
+    greedy = Sampler()(logits[:2], [row(SamplingParams(temperature=0.0, allowed_token_ids=allowed)), row()])
+    assert tokens(greedy) == [7, 0]  # 0.8 is the best of the allowed
+
+
+def test_bias_comes_before_the_repetition_penalty(device: torch.device) -> None:
+    """vLLM biases, then penalises: token 0 (1.0, seen) becomes (1.0 - 3.0) * 2 = -4 and loses to
+    token 1 (-3.0); penalising first would give 1.0 / 2 - 3.0 = -2.5 and keep token 0."""
+    logits = torch.tensor([[1.0, -3.0, -9.0]], device=device)
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={0: -3.0})
+    assert tokens(Sampler()(logits, [row(params, prompt=[0])])) == [1]
+
+
+def test_bias_and_allowed_ids_leave_logprobs_raw(device: torch.device) -> None:
+    logits = spaced_logits(1, 300, device)
+    plain = Sampler()(logits, [row(SamplingParams(temperature=0.0, logprobs=3))])[0]
+    worst, second_worst = logits[0].argsort()[:2].tolist()
+    params = SamplingParams(
+        temperature=0.0, logprobs=3, logit_bias={worst: 50.0}, allowed_token_ids=[worst, second_worst]
+    )
+    steered = Sampler()(logits, [row(params)])[0]
+    assert steered.token_id == worst != plain.token_id
+    assert steered.top_logprobs == plain.top_logprobs
+    raw = torch.log_softmax(logits.double().cpu()[0], dim=-1)
+    assert steered.logprob == pytest.approx(raw[worst].item(), abs=1e-5)
+    assert steered.rank == 300
+
+
+@pytest.mark.parametrize(
+    ("words", "output", "banned"),
+    [
+        ([[5]], [], [5]),  # one token: always banned
+        ([[5, 6]], [], []),  # its prefix is not in the output (vLLM matches the output only)
+        ([[5, 6]], [1, 5], [6]),
+        ([[5, 6]], [5, 1], []),
+        ([[4, 5, 6], [5, 6], [7]], [9, 4, 5], [6, 6, 7]),
+        ([[4, 5, 6]], [5], []),  # shorter than the prefix
+    ],
+)
+def test_bad_word_bans(words: list[list[int]], output: list[int], banned: list[int]) -> None:
+    assert bad_word_bans(words, output) == banned
+
+
+def test_a_bad_word_is_never_completed_while_its_prefix_stays_allowed(device: torch.device) -> None:
+    """A toy model that loves the two-token word [3, 4]: after 3 it wants 4, otherwise 3. The
+    row with the bad word emits 3 but never 3 then 4, nor the one-token bad word 8; the
+    row beside it, without bad words, repeats the word."""
+    vocab = 10
+
+    def model(history: list[int]) -> list[float]:
+        scores = [0.0] * vocab
+        scores[4 if history and history[-1] == 3 else 3] = 5.0
+        scores[8] = 4.0
+        return scores
+
+    sampler = Sampler()
+    rows_params = [bad_words([3, 4], [8]), GREEDY]
+    outputs: list[list[int]] = [[], []]
+    for _ in range(8):
+        logits = torch.tensor([model(out) for out in outputs], device=device)
+        step = sampler(logits, [row(p, output=list(out)) for p, out in zip(rows_params, outputs)])
+        for out, result in zip(outputs, step):
+            out.append(result.token_id)
+    banned_row, free_row = outputs
+    assert 3 in banned_row and 8 not in banned_row
+    assert all((a, b) != (3, 4) for a, b in itertools.pairwise(banned_row))
+    assert free_row == [3, 4] * 4
 
 
 def test_row_count_must_match_logits() -> None:

@@ -14,8 +14,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     ("route", "base", "field", "value"),
     [
         ("/v1/completions", COMPLETION, "suffix", " the end"),
-        ("/v1/completions", COMPLETION, "allowed_token_ids", [1, 2]),
-        ("/v1/completions", COMPLETION, "logit_bias", {"50": 10}),
+        ("/v1/completions", COMPLETION, "use_beam_search", True),
         ("/v1/completions", COMPLETION, "best_of", 3),
         ("/v1/chat/completions", CHAT, "echo", True),  # chat's echo is not completions' (which is done)
         ("/v1/chat/completions", CHAT, "response_format", {"type": "json_object"}),
@@ -31,7 +30,7 @@ def test_an_unimplemented_field_is_refused_by_name(dev_server, route, base, fiel
 @pytest.mark.parametrize(
     ("route", "base", "extra"),
     [
-        ("/v1/completions", COMPLETION, {"echo": False, "logit_bias": None, "best_of": 1}),
+        ("/v1/completions", COMPLETION, {"echo": False, "suffix": None, "best_of": 1}),
         ("/v1/chat/completions", CHAT,
          {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "echo": False}),
         ("/v1/completions", COMPLETION, {"x_my_tracing_id": "abc"}),  # no one's field: ignored

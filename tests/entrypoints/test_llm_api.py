@@ -102,6 +102,94 @@ def test_metrics_names(llm):
         assert name in m
 
 
+# -- vLLM's sampling fields: logit_bias, allowed_token_ids, bad_words, truncation, output --
+
+FRANCE = "The capital of France is"
+SHORT = SamplingParams(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def france(llm):
+    """The plain greedy continuation: the oracle the fields below are measured against."""
+    out = llm.generate(FRANCE, SHORT, use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text  # the bad-words test below needs the word to be there
+    return out
+
+
+def test_bias_allowed_ids_and_bad_words_steer_greedy_output(llm, france):
+    tok = llm.get_tokenizer()
+    allowed = tok.encode(" yes no")
+    params = [
+        SHORT.replace(logit_bias={france.token_ids[0]: -100.0}),
+        SHORT.replace(allowed_token_ids=allowed),
+        SHORT.replace(bad_words=["Paris"]),
+        SHORT,  # a plain row in the same batch keeps its output
+    ]
+    biased, restricted, banned, plain = (o.outputs[0] for o in llm.generate([FRANCE] * 4, params, use_tqdm=False))
+    assert biased.token_ids[0] != france.token_ids[0] and biased.token_ids[1:] != france.token_ids[1:]
+    assert set(restricted.token_ids) <= set(allowed)
+    assert "Paris" not in banned.text and banned.token_ids != france.token_ids
+    assert plain.token_ids == france.token_ids
+
+
+def test_truncate_prompt_tokens_equals_sending_the_truncated_prompt(llm, france):
+    tok = llm.get_tokenizer()
+    ids = tok.encode(FRANCE)
+    k = len(ids)
+    long_text = "Some words that the truncation drops. " * 3 + FRANCE
+    tail = tok.encode(long_text)[-k:]  # the text's own last tokens ("The" after ". " is " The")
+    truncated = SHORT.replace(truncate_prompt_tokens=k)
+    text_out, tail_out, ids_out = llm.generate(
+        [long_text, {"prompt_token_ids": tail}, {"prompt_token_ids": [7] * 9 + ids}],
+        [truncated, SHORT, truncated],
+        use_tqdm=False,
+    )
+    assert text_out.prompt_token_ids == tail and text_out.outputs[0].token_ids == tail_out.outputs[0].token_ids
+    assert ids_out.prompt_token_ids == ids and ids_out.outputs[0].token_ids == france.token_ids
+    whole = llm.generate(FRANCE, SHORT.replace(truncate_prompt_tokens=-1), use_tqdm=False)[0]  # -1: max_model_len
+    assert whole.prompt_token_ids == ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be <= max_model_len=2048"):
+        llm.generate(FRANCE, SHORT.replace(truncate_prompt_tokens=2049), use_tqdm=False)
+
+
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm, france):
+    out = llm.generate(FRANCE, SHORT.replace(detokenize=False, logprobs=1), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == france.token_ids and out.text == ""
+    assert all(entry.decoded_token is None for step in out.logprobs for entry in step.values())
+
+
+def test_output_kinds_of_step(llm, france):
+    """Through add_request + step, as vLLM's LLMEngine: DELTA outputs concatenate to the CUMULATIVE
+    one, FINAL_ONLY produces only the finished output; generate() returns whole outputs anyway."""
+    from siesta.sampling import RequestOutputKind as Kind
+
+    ids = {kind: llm.add_request(FRANCE, SHORT.replace(output_kind=kind)) for kind in Kind}
+    seen: dict[str, list] = {rid: [] for rid in ids.values()}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            seen[out.request_id].append(out)
+    cumulative, delta, final = (seen[ids[kind]] for kind in (Kind.CUMULATIVE, Kind.DELTA, Kind.FINAL_ONLY))
+    assert cumulative[-1].outputs[0].token_ids == france.token_ids and len(cumulative) > 1
+    assert [t for out in delta for t in out.outputs[0].token_ids] == france.token_ids
+    assert "".join(out.outputs[0].text for out in delta) == france.text
+    assert len(delta) == len(cumulative) and [o.finished for o in delta][-2:] == [False, True]
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == france.token_ids
+    whole = llm.generate(FRANCE, SHORT.replace(output_kind=Kind.DELTA), use_tqdm=False)[0].outputs[0]
+    assert whole.token_ids == france.token_ids
+
+
+def test_bad_field_token_ids_are_refused_by_name(llm):
+    vocab = llm.engine.vocab_size
+    with pytest.raises(RequestRejected, match=f"^logit_bias holds token id {vocab}, outside the vocabulary"):
+        llm.generate(FRANCE, SHORT.replace(logit_bias={vocab: 1.0}), use_tqdm=False)
+    with pytest.raises(RequestRejected, match="^allowed_token_ids holds token id"):
+        llm.generate(FRANCE, SHORT.replace(allowed_token_ids=[0, vocab + 5]), use_tqdm=False)
+    from siesta.core.engine_core import EngineCoreRequest
+
+    with pytest.raises(RequestRejected, match="bad_words were not tokenized"):  # the core has no tokenizer
+        llm.engine.add_request(EngineCoreRequest("untokenized", [1, 2], SHORT.replace(bad_words=["x"])))
+
+
 # -- bad input -----------------------------------------------------------------------------
 
 

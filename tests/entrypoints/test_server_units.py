@@ -13,11 +13,13 @@ from siesta.entrypoints.server.limits import PromptLimit
 from siesta.entrypoints.server.prompts import completion_prompts
 from siesta.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest
 from siesta.entrypoints.server.query_types import parse_bool
-from siesta.entrypoints.server.sampling_params import chat_params, child_params, completion_params
+from siesta.entrypoints.server.sampling_params import chat_params, child_params, completion_params, tokenize_params
 from siesta.entrypoints.server.state import ServerConfig
 from siesta.ipc.protocol import EngineInfo
 from siesta.ipc.remote_errors import EngineDeadError
 from siesta.metrics import MetricsRegistry
+from siesta.sampling import SamplingParams
+from siesta.tokenizer import bad_words_token_ids
 
 REFUSAL = "FakeConnector cannot keep its cache across a pause; drop clear_connector_cache=False"
 VOCAB = 100
@@ -43,6 +45,28 @@ def test_completion_defaults_follow_openai():
     p = completion_params(extras)
     assert (p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos, p.min_tokens) == (5, 0.1, 1.2, True, 2)
     assert (p.stop_token_ids, p.include_stop_str_in_output, p.skip_special_tokens) == ([7], True, False)
+
+
+def test_logit_bias_keys_become_token_ids_and_biases_are_clamped():
+    """OpenAI sends token ids as JSON keys (strings); vLLM clamps each bias to [-100, 100]."""
+    body = CompletionRequest(prompt="x", logit_bias={"5": 3.5, "7": 250, "9": -1e9}, allowed_token_ids=[5, 7],
+                             bad_words=["no"], truncate_prompt_tokens=-1)  # fmt: skip
+    p = completion_params(body)
+    assert p.logit_bias == {5: 3.5, 7: 100.0, 9: -100.0}
+    assert (p.allowed_token_ids, p.bad_words, p.truncate_prompt_tokens) == ([5, 7], ["no"], -1)
+    with pytest.raises(ValueError, match="^logit_bias keys must be token ids"):
+        completion_params(CompletionRequest(prompt="x", logit_bias={"five": 1.0}))
+
+
+def test_bad_words_become_token_ids_and_odd_text_is_a_400(embedded_tokenizer):
+    params = tokenize_params(SamplingParams(bad_words=["Paris"]), embedded_tokenizer, VOCAB_EMBEDDED)
+    assert params.bad_words_token_ids == bad_words_token_ids(embedded_tokenizer, ["Paris"])
+    for words, tokenizer in ((["\ud800"], embedded_tokenizer), (["Paris"], None)):  # a lone surrogate; no tokenizer
+        with pytest.raises(APIError) as err:
+            tokenize_params(SamplingParams(bad_words=words), tokenizer, VOCAB_EMBEDDED)
+        assert err.value.status == 400 and err.value.param == "bad_words"
+    with pytest.raises(ValueError, match="^allowed_token_ids holds token id 100"):
+        tokenize_params(SamplingParams(allowed_token_ids=[100]), None, VOCAB)
 
 
 def test_chat_lengths_and_logprobs():
@@ -76,6 +100,17 @@ def test_prompt_shapes():
         with pytest.raises(APIError) as err:
             completion_prompts(None, bad, VOCAB, LIMIT)
         assert err.value.status == 400 and err.value.param == "prompt"
+
+
+def test_prompts_to_be_truncated_skip_the_length_checks_and_keep_their_last_tokens(embedded_tokenizer):
+    long_ids = list(range(1, 81))  # longer than max_model_len=64: fine once cut to 5
+    assert [p.token_ids for p in completion_prompts(None, long_ids, VOCAB, LIMIT, truncate_to=5)] == [long_ids[-5:]]
+    limit = PromptLimit.of(embedded_tokenizer, max_model_len=8)
+    huge = "the sea is wide " * limit.max_model_len * limit.max_token_chars  # refused untokenized otherwise
+    (prompt,) = completion_prompts(embedded_tokenizer, huge, VOCAB_EMBEDDED, limit, truncate_to=4)
+    assert prompt.token_ids == embedded_tokenizer.encode(huge)[-4:] and prompt.text == huge
+    with pytest.raises(APIError, match="has 64 tokens but max_model_len is 64"):  # still no room for the output
+        completion_prompts(None, long_ids, VOCAB, LIMIT, truncate_to=64)
 
 
 def test_a_text_too_long_for_any_tokenization_is_refused_untokenized(embedded_tokenizer):
@@ -196,12 +231,15 @@ def test_without_dev_mode_there_are_no_control_routes():
 
 
 @pytest.mark.parametrize(
-    "field", ["max_tokens", "n", "temperature", "top_k", "seed", "logprobs", "min_tokens", "stop_token_ids", "prompt"]
-)
+    "field",
+    ["max_tokens", "n", "temperature", "top_k", "seed", "logprobs", "min_tokens", "stop_token_ids", "prompt",
+     "truncate_prompt_tokens", "allowed_token_ids", "logit_bias"],
+)  # fmt: skip
 def test_a_boolean_is_not_a_number(fake, field):
     """JSON's true is not 1: ``max_tokens: true`` is refused naming the field, not run as 1."""
     client, _ = fake
-    value = [True] if field in ("stop_token_ids", "prompt") else True
+    value = [True] if field in ("stop_token_ids", "prompt", "allowed_token_ids") else True
+    value = {"5": True} if field == "logit_bias" else value
     body = {"prompt": [1, 2], "max_tokens": 2} | {field: value}
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 400, r.text

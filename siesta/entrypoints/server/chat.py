@@ -25,7 +25,7 @@ from siesta.entrypoints.server.responses import (
     weight_version,
     weight_versions,
 )
-from siesta.entrypoints.server.sampling_params import chat_params
+from siesta.entrypoints.server.sampling_params import chat_params, tokenize_params
 from siesta.entrypoints.server.state import request_id, server_state
 from siesta.output_processor import OutputProcessor
 
@@ -52,11 +52,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     model = state.check_model(body.model)
     try:
         params = chat_params(body)
+        truncate_to = params.prompt_truncation(state.prompt_limit.max_model_len)
+        check_fanout(1, body.n, state.config.max_request_fanout)
+        params = await asyncio.to_thread(tokenize_params, params, state.llm.tokenizer, state.info.vocab_size)
     except ValueError as e:
         raise sampling_error(e) from None
-    check_fanout(1, body.n, state.config.max_request_fanout)
-    state.prompt_limit.check_text(content_chars(body.messages), "messages")
-    prompt = await asyncio.to_thread(chat_prompt, state.llm.tokenizer, body.messages, body.add_generation_prompt)
+    if truncate_to is None:  # a conversation to be truncated may be longer than the model takes
+        state.prompt_limit.check_text(content_chars(body.messages), "messages")
+    prompt = await asyncio.to_thread(
+        chat_prompt, state.llm.tokenizer, body.messages, body.add_generation_prompt, truncate_to
+    )
     state.prompt_limit.check_completion(len(prompt.token_ids), params.max_tokens)
     meta = Meta(request_id(request, ID_PREFIX), model)
     generation = await state.llm.generate(meta.id, [prompt], params, body.cache_salt)

@@ -35,7 +35,7 @@ from siesta.entrypoints.server.responses import (
     weight_version,
     weight_versions,
 )
-from siesta.entrypoints.server.sampling_params import completion_params, echo_only
+from siesta.entrypoints.server.sampling_params import completion_params, echo_only, tokenize_params
 from siesta.entrypoints.server.state import request_id, server_state
 from siesta.output_processor import OutputProcessor
 from siesta.request import Logprob
@@ -61,11 +61,15 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     model = state.check_model(body.model)
     try:
         params = completion_params(body)
+        truncate_to = params.prompt_truncation(state.prompt_limit.max_model_len)
+        check_fanout(prompt_count(body.prompt), body.n, state.config.max_request_fanout)
+        params = await asyncio.to_thread(tokenize_params, params, state.llm.tokenizer, state.info.vocab_size)
     except ValueError as e:
         raise sampling_error(e) from None
-    check_fanout(prompt_count(body.prompt), body.n, state.config.max_request_fanout)
     tokenizer = state.llm.tokenizer
-    prompts = await asyncio.to_thread(completion_prompts, tokenizer, body.prompt, state.info.vocab_size, state.prompt_limit)
+    prompts = await asyncio.to_thread(
+        completion_prompts, tokenizer, body.prompt, state.info.vocab_size, state.prompt_limit, truncate_to
+    )
     for prompt in prompts:
         state.prompt_limit.check_completion(len(prompt.token_ids), params.max_tokens)
     echo = None

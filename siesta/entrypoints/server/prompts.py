@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from siesta.entrypoints.server.errors import APIError
 from siesta.entrypoints.server.limits import PromptLimit
 from siesta.entrypoints.server.protocol import MAX_PROMPTS, ChatMessage, PromptInput
-from siesta.tokenizer import chat_to_ids, encode
+from siesta.tokenizer import chat_to_ids, encode, truncate_ids
 
 _BAD_REQUEST = 400
 _TEXT_PART = "text"
@@ -27,25 +27,33 @@ def prompt_count(prompt: PromptInput) -> int:
 
 
 def completion_prompts(
-    tokenizer: PreTrainedTokenizerBase | None, prompt: PromptInput, vocab_size: int, limit: PromptLimit
+    tokenizer: PreTrainedTokenizerBase | None,
+    prompt: PromptInput,
+    vocab_size: int,
+    limit: PromptLimit,
+    truncate_to: int | None = None,
 ) -> list[TokenizedPrompt]:
-    """A string, strings, token ids or lists of token ids -> one TokenizedPrompt each.
+    """A string, strings, token ids or lists of token ids -> one TokenizedPrompt each; with
+    ``truncate_to`` (truncate_prompt_tokens) only each prompt's last tokens.
 
     Slow for long texts: the routes run it in a worker thread. A prompt that cannot fit is
-    refused before it is tokenized."""
+    refused before it is tokenized, unless it is to be truncated."""
     items = _as_list(prompt)
     if not items:
         raise APIError(_BAD_REQUEST, "prompt must not be empty", "prompt")
     if len(items) > MAX_PROMPTS:
         raise APIError(_BAD_REQUEST, f"prompt holds {len(items)} prompts; at most {MAX_PROMPTS} per request", "prompt")
-    for item in items:
-        (limit.check_text if isinstance(item, str) else limit.check_ids)(len(item), "prompt")
+    if truncate_to is None:
+        for item in items:
+            (limit.check_text if isinstance(item, str) else limit.check_ids)(len(item), "prompt")
     out = []
     for item in items:
         if isinstance(item, str):
-            out.append(TokenizedPrompt(item, _encode(tokenizer, item)))
+            out.append(TokenizedPrompt(item, _encode(tokenizer, item, truncate_to)))
         else:
-            out.append(TokenizedPrompt(None, _check_ids(item, vocab_size)))
+            out.append(TokenizedPrompt(None, truncate_ids(_check_ids(item, vocab_size), truncate_to)))
+        if truncate_to is not None:
+            limit.check_ids(len(out[-1].token_ids), "prompt")
     return out
 
 
@@ -57,11 +65,11 @@ def _as_list(prompt: PromptInput) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase | None, text: str) -> list[int]:
+def _encode(tokenizer: PreTrainedTokenizerBase | None, text: str, truncate_to: int | None) -> list[int]:
     if tokenizer is None:
         raise APIError(_BAD_REQUEST, "this model has no tokenizer: send the prompt as token ids", "prompt")
     try:
-        return encode(tokenizer, text)
+        return encode(tokenizer, text, truncate_to)
     except Exception as e:  # noqa: BLE001 - tokenizers raise many types on odd text (lone surrogates, ...)
         raise APIError(_BAD_REQUEST, f"cannot tokenize the prompt: {e}", "prompt") from None
 
@@ -74,8 +82,12 @@ def _check_ids(ids: list[int], vocab_size: int) -> list[int]:
 
 
 def chat_prompt(
-    tokenizer: PreTrainedTokenizerBase | None, messages: list[ChatMessage], add_generation_prompt: bool
+    tokenizer: PreTrainedTokenizerBase | None,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    truncate_to: int | None = None,
 ) -> TokenizedPrompt:
+    """The conversation through the chat template; with ``truncate_to`` its last tokens only."""
     if tokenizer is None:
         raise APIError(_BAD_REQUEST, "this model has no tokenizer, so it has no chat template: use /v1/completions")
     conversation = [_message_dict(m) for m in messages]
@@ -83,7 +95,7 @@ def chat_prompt(
         ids = chat_to_ids(tokenizer, conversation, add_generation_prompt)
     except Exception as e:  # noqa: BLE001 - a template may reject a conversation with any error type
         raise APIError(_BAD_REQUEST, f"cannot apply the chat template: {e}", "messages") from None
-    return TokenizedPrompt(None, ids)
+    return TokenizedPrompt(None, truncate_ids(ids, truncate_to))
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:

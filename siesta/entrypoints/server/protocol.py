@@ -38,12 +38,11 @@ class StreamOptions(BaseModel):
 # OpenAI's and vLLM's fields siesta does not implement (yet), with the value that means off.
 _OFF: Any = None
 NOT_IMPLEMENTED: dict[str, Any] = {
-    "best_of": 1, "logit_bias": _OFF, "suffix": _OFF,
+    "best_of": 1, "suffix": _OFF,
     "response_format": {"type": "text"}, "tools": _OFF, "tool_choice": "none",
     "parallel_tool_calls": _OFF, "functions": _OFF, "function_call": _OFF, "guided_json": _OFF,
     "guided_regex": _OFF, "guided_choice": _OFF, "guided_grammar": _OFF, "structured_outputs": _OFF,
-    "allowed_token_ids": _OFF, "bad_words": _OFF, "truncate_prompt_tokens": _OFF, "use_beam_search": False,
-    "length_penalty": 1.0, "priority": 0, "kv_transfer_params": _OFF, "vllm_xargs": _OFF, "audio": _OFF,
+    "use_beam_search": False, "length_penalty": 1.0, "priority": 0, "kv_transfer_params": _OFF, "vllm_xargs": _OFF, "audio": _OFF,
     "modalities": _OFF, "prediction": _OFF, "reasoning_effort": _OFF, "chat_template": _OFF,
     "chat_template_kwargs": _OFF, "continue_final_message": False, "documents": _OFF, "mm_processor_kwargs": _OFF,
     "web_search_options": _OFF, "top_logprobs_num": _OFF, "return_logprob": False,
@@ -101,6 +100,13 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool = False
     # vLLM's: each prompt token's logprob, rank and top-n alternatives (not in streams).
     prompt_logprobs: Int | None = None
+    # OpenAI's: token id (a JSON key, so a string) -> bias, clamped to [-100, 100] as vLLM does.
+    logit_bias: dict[str, Float] | None = None
+    # vLLM's: only these tokens may be sampled; words never completed; keep the prompt's last k
+    # tokens (-1: max_model_len).
+    allowed_token_ids: list[Int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Int | None = None
 
 
 class CompletionRequest(SamplingFields):

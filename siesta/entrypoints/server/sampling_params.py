@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from transformers import PreTrainedTokenizerBase
+
 from siesta.entrypoints.server.errors import APIError
 from siesta.entrypoints.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from siesta.sampling import SamplingParams
+from siesta.tokenizer import bad_words_token_ids
 
 # OpenAI's defaults for fields a body may send as null.
 DEFAULT_TEMPERATURE = 1.0
@@ -15,6 +18,8 @@ TOP_K_OFF = 0
 DEFAULT_MIN_P = 0.0
 DEFAULT_REPETITION_PENALTY = 1.0
 DEFAULT_ADDITIVE_PENALTY = 0.0
+# OpenAI's range for a logit_bias value; vLLM clamps what lies outside it rather than refusing.
+MAX_ABS_LOGIT_BIAS = 100.0
 _BAD_REQUEST = 400
 # echo with max_tokens 0 (the prompt alone, as vLLM and OpenAI allow) still samples this many
 # tokens, which the response leaves out: every request samples at least one.
@@ -51,12 +56,50 @@ def _common(
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        logit_bias=_logit_bias(body.logit_bias),
+        allowed_token_ids=body.allowed_token_ids,
+        bad_words=body.bad_words,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
     )
 
 
 def echo_only(body: CompletionRequest) -> bool:
     """echo with max_tokens 0: the response is the prompt alone."""
     return bool(body.echo) and body.max_tokens == 0
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's string keys as token ids, each bias clamped to [-100, 100] (vLLM's from_optional)."""
+    if bias is None:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}") from None
+        out[token_id] = min(MAX_ABS_LOGIT_BIAS, max(-MAX_ABS_LOGIT_BIAS, value))
+    return out
+
+
+def tokenize_params(
+    params: SamplingParams, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int
+) -> SamplingParams:
+    """What the core cannot do itself: bad words as token ids; and every field's token ids checked
+    against the vocabulary, so that a bad one is a 400 naming its field. Slow for long bad-word
+    lists: the routes run it in a worker thread."""
+    if params.bad_words:
+        if tokenizer is None:
+            raise APIError(_BAD_REQUEST, "bad_words need a tokenizer, and this model has none", "bad_words")
+        try:
+            token_ids = bad_words_token_ids(tokenizer, params.bad_words)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - tokenizers raise many types on odd text (lone surrogates, ...)
+            raise APIError(_BAD_REQUEST, f"cannot tokenize bad_words: {e}", "bad_words") from None
+        params = params.replace(bad_words_token_ids=token_ids)
+    params.verify_token_ids(vocab_size)
+    return params
 
 
 def completion_params(body: CompletionRequest) -> SamplingParams:
