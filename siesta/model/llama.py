@@ -7,6 +7,7 @@ a trainer's ``state_dict()`` loads directly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -240,8 +241,19 @@ class CausalLM(nn.Module):
             raise ValueError(f"checkpoint tensor {name!r} has no place in this {self.shape.model_type} model")
         if shard is None:
             return WeightTarget(pname, params[pname].data)
-        module = self.get_submodule(pname.rsplit(".", 1)[0])
+        module = self._merged_modules().get(pname.rsplit(".", 1)[0])
+        if module is None:
+            raise ValueError(f"checkpoint tensor {name!r} is a shard, but {pname!r} is not a fused layer here")
         return WeightTarget(f"{pname}:{shard}", module.shard_view(shard, kind))
+
+    def _merged_modules(self) -> dict[str, MergedLinear]:
+        """The fused layers by name: modules are never replaced (their parameters may be), and a
+        weight push looks one up per q/k/v/gate/up tensor; get_submodule walks the tree each time."""
+        table = self.__dict__.get("_merged_table")
+        if table is None:
+            table = {name: m for name, m in self.named_modules() if isinstance(m, MergedLinear)}
+            self.__dict__["_merged_table"] = table
+        return table
 
     def parameter_table(self) -> dict[str, nn.Parameter]:
         """Name -> parameter, now (to_empty and sleep may swap parameter objects: not kept)."""
@@ -260,10 +272,13 @@ class CausalLM(nn.Module):
         return names
 
 
+# Checkpoint names seen by weight pushes (every push repeats the model's few hundred).
+CHECKPOINT_NAME_CACHE = 4096
 _SHARDS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
            "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}  # fmt: skip
 
 
+@functools.lru_cache(maxsize=CHECKPOINT_NAME_CACHE)
 def _map_checkpoint_name(name: str) -> tuple[str, str | None, str] | None:
     """HF name -> (parameter name, shard or None, weight|bias); None for tensors we do not keep."""
     if "rotary_emb" in name:

@@ -144,6 +144,9 @@ class IpcReceiver(Receiver):
         super().__init__(config, device, local_rank)
         self.opener = HandleOpener(device, config.ipc_keep_mappings)
         self._ready = False
+        # The last ipc_handles_pickled and what it unpickled to: a trainer that shares the same
+        # tensors sends the same string every push, and unpickling is pure.
+        self._last_pickled: tuple[str, Any] | None = None
 
     @property
     def ready(self) -> bool:
@@ -174,7 +177,12 @@ class IpcReceiver(Receiver):
         if (info.ipc_handles is None) == (info.ipc_handles_pickled is None):
             raise WeightTransferError("an ipc update needs exactly one of ipc_handles and ipc_handles_pickled")
         if info.ipc_handles_pickled is not None:
-            return unpickle_handles(info.ipc_handles_pickled)
+            last = self._last_pickled
+            if last is not None and last[0] == info.ipc_handles_pickled:
+                return last[1]
+            handles = unpickle_handles(info.ipc_handles_pickled)
+            self._last_pickled = (info.ipc_handles_pickled, handles)
+            return handles
         return info.ipc_handles
 
     def _unpack(self, handle: Any, info: UpdateInfo) -> Batch:
@@ -206,6 +214,7 @@ class IpcReceiver(Receiver):
 
     def close(self) -> None:
         self.opener.close()
+        self._last_pickled = None
 
 
 RECEIVERS: dict[str, type[Receiver]] = {NcclReceiver.backend: NcclReceiver, IpcReceiver.backend: IpcReceiver}

@@ -148,6 +148,7 @@ class WeightSender:
         # the caller owns are kept (no casts or fused copies: those would be held alive).
         self._handles: dict[tuple[Any, ...], tuple[torch.Tensor, tuple[Any, ...]]] = {}
         self._shared_now: set[tuple[Any, ...]] = set()
+        self._last_pickle: tuple[Any, str] | None = None  # the last handles and their pickle
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -178,6 +179,7 @@ class WeightSender:
         self._shm.close()
         self._cuda_bucket = None
         self._handles = {}
+        self._last_pickle = None
 
     # -- pushes --------------------------------------------------------------------------
 
@@ -251,7 +253,7 @@ class WeightSender:
         if not self.packed:
             handles = [{uuid: self._share(t, keep=self.dtype is None and not self.fuse)} for _, t in tensors]
             torch.cuda.synchronize(device)  # every write to them is done before the engine reads
-            self._update(self._info(tensors, ipc_handles_pickled=_pickled(handles)))
+            self._update(self._info(tensors, ipc_handles_pickled=self._pickled(handles)))
         else:
             buckets = self._buckets(tensors)
             largest = max(sum(_sizes(b)) for b in buckets)
@@ -262,7 +264,7 @@ class WeightSender:
                 self._fill(self._cuda_bucket, bucket)
                 torch.cuda.synchronize(device)
                 handle = {uuid: self._share(self._cuda_bucket, keep=True)}
-                self._update(self._info(bucket, ipc_handles_pickled=_pickled(handle), tensor_sizes=_sizes(bucket)))
+                self._update(self._info(bucket, ipc_handles_pickled=self._pickled(handle), tensor_sizes=_sizes(bucket)))
         self._handles = {k: v for k, v in self._handles.items() if k in self._shared_now}
 
     def _share(self, tensor: torch.Tensor, keep: bool) -> tuple[Any, ...]:
@@ -280,6 +282,16 @@ class WeightSender:
         if keep:
             self._handles[key] = (tensor, tuple(args))
         return tuple(args)
+
+    def _pickled(self, handles: Any) -> str:
+        """The same handles as the last push pickle to the same string: reuse it (the engine, too,
+        recognises the string and skips unpickling)."""
+        last = self._last_pickle
+        if last is not None and last[0] == handles:
+            return last[1]
+        pickled = _pickled(handles)
+        self._last_pickle = (handles, pickled)
+        return pickled
 
     def _send_shm(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         if not self.packed:

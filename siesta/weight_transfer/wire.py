@@ -149,12 +149,7 @@ def parse_update_info(update_info: Any, defaults: WeightTransferConfig) -> Updat
             f"names, dtype_names and shapes must have one entry per tensor: got {len(names)}, "
             f"{len(dtype_names)} and {len(shapes)}"
         )
-    tensors = [_tensor_meta(n, dt, sh) for n, dt, sh in zip(names, dtype_names, shapes)]
-    seen: set[str] = set()
-    for t in tensors:
-        if t.name in seen:
-            raise WeightTransferError(f"tensor {t.name!r} appears twice in one update")
-        seen.add(t.name)
+    tensors = _LAST_TENSORS.parse(names, dtype_names, shapes)
     packed = d.get("packed", False)
     if not isinstance(packed, bool):
         raise WeightTransferError(f"'packed' must be true or false, got {packed!r}")
@@ -170,6 +165,33 @@ def parse_update_info(update_info: Any, defaults: WeightTransferConfig) -> Updat
         ipc_handles_pickled=d.get("ipc_handles_pickled"),
         tensor_sizes=sizes,
     )
+
+
+class _TensorListMemo:
+    """The last declared tensor list, parsed. A trainer declares the same few hundred tensors in
+    every push; comparing the lists is far cheaper than checking and building each entry again,
+    and the result depends on nothing else."""
+
+    def __init__(self) -> None:
+        self._key: tuple[list, list, list] | None = None
+        self._tensors: list[TensorMeta] = []
+
+    def parse(self, names: list, dtype_names: list, shapes: list) -> list[TensorMeta]:
+        key = self._key
+        if key is not None and key[0] == names and key[1] == dtype_names and key[2] == shapes:
+            return list(self._tensors)
+        tensors = [_tensor_meta(n, dt, sh) for n, dt, sh in zip(names, dtype_names, shapes)]
+        seen: set[str] = set()
+        for t in tensors:
+            if t.name in seen:
+                raise WeightTransferError(f"tensor {t.name!r} appears twice in one update")
+            seen.add(t.name)
+        # Copies: the caller's lists may change after this call.
+        self._key, self._tensors = (list(names), list(dtype_names), [list(sh) for sh in shapes]), tensors
+        return list(tensors)
+
+
+_LAST_TENSORS = _TensorListMemo()
 
 
 def _tensor_meta(name: Any, dtype: Any, shape: Any) -> TensorMeta:
