@@ -71,6 +71,10 @@ class SamplingParams:
     # bad_words as token sequences, filled in by the front end (the engine core has no
     # tokenizer): see siesta.tokenizer.bad_words_token_ids. vLLM's _bad_words_token_ids.
     bad_words_token_ids: list[list[int]] | None = None
+    # siesta's, for SGLang's /generate: logprobs of the sampled distribution's logits (bans, bias
+    # and penalties applied, divided by the temperature), as SGLang reports them by default;
+    # greedy rows keep the raw ones. False: vLLM's raw logprobs.
+    scaled_logprobs: bool = False
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)

@@ -101,6 +101,8 @@ class Sampler:
         processed = apply_allowed_token_ids(logits, rows)
         processed = apply_logit_bias(apply_bans(processed, rows), rows)
         processed = apply_penalties(processed, rows)
+        if raw is not None:
+            raw.scale(processed, rows)
         return PendingSamples(self._choose_tokens(processed, rows), raw, rows, prompt)
 
     def _choose_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -354,7 +356,8 @@ def _nucleus_among(probs: torch.Tensor, top_p: torch.Tensor, candidates: int) ->
 
 @dataclass
 class _RawLogprobs:
-    """log_softmax of the raw logits for the rows that asked for logprobs."""
+    """log_softmax of the raw logits for the rows that asked for logprobs (or, for rows that
+    want ``scaled_logprobs``, of their processed logits over the temperature)."""
 
     rows: list[int]
     index: torch.Tensor
@@ -368,6 +371,17 @@ class _RawLogprobs:
         index = _device_tensor(wanted, torch.int64, logits.device)
         selected = logits if len(wanted) == len(rows) else logits[index]
         return cls(wanted, index, selected.log_softmax(dim=-1))
+
+    def scale(self, processed: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Rows with ``scaled_logprobs`` report the distribution they sample from instead:
+        the processed logits over the temperature (SGLang's default)."""
+        scaled = [j for j, i in enumerate(self.rows) if rows[i].params.scaled_logprobs and not rows[i].params.greedy]
+        if not scaled:
+            return
+        at = _device_tensor(scaled, torch.int64, processed.device)
+        source = _device_tensor([self.rows[j] for j in scaled], torch.int64, processed.device)
+        temperature = _column([rows[self.rows[j]].params.temperature for j in scaled], processed.device)
+        self.logprobs.index_copy_(0, at, (processed[source] / temperature).log_softmax(dim=-1))
 
 
 def _ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:

@@ -569,3 +569,25 @@ def test_a_bad_word_is_never_completed_while_its_prefix_stays_allowed(device: to
 def test_row_count_must_match_logits() -> None:
     with pytest.raises(ValueError, match="logits"):
         Sampler()(torch.zeros(2, 10), [row()])
+
+
+def test_scaled_logprobs_are_of_the_sampled_distribution_and_greedy_rows_stay_raw(device):
+    """SGLang's default logprobs: the processed logits (a penalty here) over the temperature,
+    computed in float64 as the oracle; greedy rows and rows without the flag keep the raw ones."""
+    vocab, seen = 64, [3, 7, 7]
+    logits = random_logits(3, vocab, seed=11, device=device)
+    scaled = SamplingParams(temperature=0.6, logprobs=2, repetition_penalty=1.7, scaled_logprobs=True, seed=1)
+    greedy = SamplingParams(temperature=0.0, logprobs=2, scaled_logprobs=True)
+    raw = SamplingParams(temperature=0.6, logprobs=2, seed=2)
+    rows = [row(scaled, generator=make_generator(1, device), output=seen), row(greedy),
+            row(raw, generator=make_generator(2, device))]  # fmt: skip
+    results = Sampler(device=device)(logits, rows)
+    host = logits.double().cpu()
+    penalised = host[0].clone()
+    for t in set(seen):  # HF's repetition penalty on the tokens seen
+        penalised[t] = penalised[t] / 1.7 if penalised[t] > 0 else penalised[t] * 1.7
+    want = [(penalised / 0.6).log_softmax(-1), host[1].log_softmax(-1), host[2].log_softmax(-1)]
+    for result, expected in zip(results, want):
+        assert result.logprob == pytest.approx(float(expected[result.token_id]), abs=1e-4)
+        top = expected.topk(2).indices.tolist()
+        assert [t for t, _ in result.top_logprobs] == top

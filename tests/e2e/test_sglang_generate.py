@@ -81,6 +81,27 @@ def test_slimes_token_in_token_out_request_gives_the_offline_ids_and_logprobs(ht
     assert meta["e2e_latency"] > 0 and isinstance(meta["id"], str)
 
 
+def test_sampled_logprobs_are_of_the_temperature_scaled_distribution_as_sglangs(http, offline_llm):
+    from siesta import SamplingParams
+
+    body = {"text": PROMPT, "return_logprob": True,
+            "sampling_params": {"temperature": 0.5, "max_new_tokens": 6, "sampling_seed": 7}}  # fmt: skip
+    meta = _post(http, body)["meta_info"]
+    with single_thread():
+        outs = {
+            scaled: offline_llm.generate(
+                [PROMPT], SamplingParams(temperature=0.5, max_tokens=6, seed=7, logprobs=0, scaled_logprobs=scaled),
+                use_tqdm=False,
+            )[0].outputs[0]
+            for scaled in (True, False)
+        }
+    served = [entry[0] for entry in meta["output_token_logprobs"]]
+    assert [entry[1] for entry in meta["output_token_logprobs"]] == outs[True].token_ids == outs[False].token_ids
+    for value, token_id, scaled, raw in zip(served, outs[True].token_ids, outs[True].logprobs, outs[False].logprobs):
+        assert abs(value - scaled[token_id].logprob) < LOGPROB_TOL
+    assert any(abs(v - r[t].logprob) > 1e-2 for v, t, r in zip(served, outs[False].token_ids, outs[False].logprobs))
+
+
 def test_a_text_batch_answers_a_list_in_prompt_order_with_top_logprobs(http, offline_llm):
     prompts = [PROMPT, "One, two, three,"]
     body = {

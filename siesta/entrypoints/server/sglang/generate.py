@@ -6,7 +6,9 @@ objects, as SGLang does (a batch's carry their ``index``), then ``[DONE]``. An a
 request (``/abort_request``, a pause in abort mode) answers 200 with what it generated,
 its finish reason ``abort``: slime re-sends such partial rollouts as prompt + output.
 
-``return_logprob`` reports the sampled tokens' logprobs (of the raw logits, as vLLM's);
+``return_logprob`` reports the sampled tokens' logprobs as SGLang does: of the distribution
+they were sampled from (penalties applied, over the temperature; greedy: the raw logits), or
+of the raw logits when the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, as SGLang's;
 ``logprob_start_len`` >= 0 scores the prompt's tokens from there on too (they take no
 prefix-cache hits then). ``max_new_tokens`` 0 scores a prompt and generates nothing.
 """
@@ -14,6 +16,7 @@ prefix-cache hits then). ``max_new_tokens`` 0 scores a prompt and generates noth
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import AsyncIterator
 from http import HTTPStatus
@@ -40,6 +43,13 @@ router = APIRouter(tags=["sglang"])
 FINISH_ERROR = "error"
 # max_new_tokens 0 (a prompt scored, nothing generated): the engine samples one token, unshown.
 PROMPT_ONLY_MAX_TOKENS = 1
+# SGLang's switch (RL recipes set it to match a trainer's unscaled logprobs), honoured as is.
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+_TRUE = ("1", "true", "yes")
+
+
+def original_logprobs() -> bool:
+    return os.environ.get(ORIGINAL_LOGPROB_ENV, "").strip().lower() in _TRUE
 # vLLM's SamplingParams names in its errors -> SGLang's, so a 400 names the field sent.
 _SGLANG_NAMES = {
     "max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed",
@@ -109,6 +119,7 @@ def _params(body: GenerateRequest, prompt: TokenizedPrompt, index: int, count: i
             ignore_eos=sp.ignore_eos, logprobs=logprobs, prompt_logprobs=None if options.input_start is None
             else options.top_logprobs_num, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, include_stop_str_in_output=sp.no_stop_trim,
+            scaled_logprobs=not original_logprobs(),
         )  # fmt: skip
     except ValueError as e:
         raise _sampling_error(e) from None
