@@ -18,8 +18,8 @@ import torch
 
 from siesta.core.sampler import (
     TOP_P_CANDIDATES,
-    SampleResult,
     Sampler,
+    SampleResult,
     SamplingRow,
     apply_allowed_token_ids,
     apply_bans,
