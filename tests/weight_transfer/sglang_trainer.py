@@ -91,7 +91,10 @@ class PerRankTensor:
 def _under_sglang_name(cls: type, module: str, name: str) -> None:
     """Pickle names a class by its module and name, and checks that they lead back to it."""
     cls.__module__, cls.__qualname__, cls.__name__ = module, name, name
-    setattr(sys.modules.setdefault(module, types.ModuleType(module)), name, cls)
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):  # importing a dotted name imports its parents first
+        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    setattr(sys.modules[module], name, cls)
 
 
 _under_sglang_name(BucketMeta, "sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
