@@ -12,7 +12,15 @@ from transformers import PreTrainedTokenizerBase
 
 from siesta import __version__
 from siesta.config import EngineConfig
-from siesta.entrypoints.server import chat, completions, dev_routes, info_routes, tokenize_routes, weight_routes
+from siesta.entrypoints.server import (
+    chat,
+    completions,
+    dev_routes,
+    info_routes,
+    sglang_weight_routes,
+    tokenize_routes,
+    weight_routes,
+)
 from siesta.entrypoints.server.async_llm import AsyncLLM
 from siesta.entrypoints.server.auth import ApiKeyMiddleware
 from siesta.entrypoints.server.errors import install_error_handlers
@@ -52,6 +60,7 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     if config.dev_mode:
         app.include_router(dev_routes.router)
         app.include_router(weight_routes.router)
+        app.include_router(sglang_weight_routes.router)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)  # outermost: before any parsing
