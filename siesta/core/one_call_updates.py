@@ -32,7 +32,7 @@ from siesta.weight_transfer.pickled_tensors import SerializedTensors
 from siesta.weight_transfer.receivers import LocalReceiver
 from siesta.weight_transfer.sglang_group import DEFAULT_GROUP_NAME, REJOIN, SglangRendezvous, parse_sglang_group
 from siesta.weight_transfer.sglang_updates import distributed_update_info, tensor_update_info
-from siesta.weight_transfer.wire import WeightTransferError
+from siesta.weight_transfer.wire import WeightTransferError, parse_update_info
 
 if TYPE_CHECKING:
     from siesta.core.engine_core import EngineCore
@@ -81,7 +81,14 @@ class OneCallUpdates:
         receiver = self.updater.groups.get(group_name)
         if receiver is None:
             raise WeightTransferError(_NO_GROUP.format(name=group_name))
-        info = distributed_update_info(names, dtypes, shapes, load_format)
+        try:
+            info = distributed_update_info(names, dtypes, shapes, load_format)
+            parse_update_info(info, self.config.weight_transfer)
+        except WeightTransferError as e:
+            # Without a valid declaration the trainer's broadcast cannot be taken and dropped, and
+            # left unread it would be read as the next update's: close the group instead.
+            receiver.close()
+            raise WeightTransferError(f"{e}; weight update group {group_name!r} is closed: {REJOIN} again") from None
         return self._one_call_update(lambda: self._receive(info, receiver), **options)
 
     def update_weights_from_tensor(

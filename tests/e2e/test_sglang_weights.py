@@ -146,6 +146,11 @@ def test_bad_updates_are_refused_with_nothing_written_and_the_group_stays_in_ste
     ok(push(server, group, name, rounded(hf, torch.float32)))  # still in step after the refusals
     with server.client() as client:
         assert_serves(client, hf)
+    # A layout the engine cannot read leaves it no way to take the broadcast: the group closes.
+    body = declaration([("model.norm.weight", torch.ones(64))], name, load_format="delta")
+    refused(post(server, "/update_weights_from_distributed", body), f"group {name!r} is closed")
+    refused(post(server, "/update_weights_from_distributed", body | {"load_format": None}),
+            "call init_weights_update_group first")  # fmt: skip
 
 
 @pytest.mark.parametrize(
