@@ -18,6 +18,7 @@ import torch
 from siesta.config import ConfigError, EngineConfig
 from siesta.core.device_memory import MemoryReport
 from siesta.core.model_runner import LaunchedStep, ModelRunner
+from siesta.core.one_call_updates import OneCallUpdates
 from siesta.core.scheduler import Scheduler, SchedulerOutput
 from siesta.kv.hashing import ExtraKeys
 from siesta.kv.kv_manager import KVManager, cdiv
@@ -27,6 +28,7 @@ from siesta.request import EngineCoreOutput, Request
 from siesta.sampling import SamplingParams
 from siesta.tiers.base import ConnectorContext, KVConnector
 from siesta.tiers.factory import create_connector
+from siesta.weight_transfer.receivers import Receiver
 from siesta.weight_transfer.state import REPAIR
 from siesta.weight_transfer.updater import UpdateFailed, WeightUpdater
 from siesta.weight_transfer.wire import WeightTransferError
@@ -84,13 +86,16 @@ def next_weight_version(current: str) -> str:
     return str(int(current) + 1) if current.isdigit() else f"{current}+1"
 
 
-class EngineCore:
+class EngineCore(OneCallUpdates):
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         self.config = config
         self.source = source or resolve_model(config.model.model, config.model.seed, config.model.tokenizer)
         self.max_model_len = self._max_model_len()
         config.validate(self.max_model_len)
+        # The name of the weights, reported with every output; cached KV is keyed by kv_version,
+        # the name the weights had when they were written, which a rename leaves alone.
         self.weight_version = config.model.weight_version
+        self.kv_version = self.weight_version
         self.runner = ModelRunner(config, self.source, self.max_model_len)
         self.vocab_size = self.runner.model.shape.vocab_size
         self.stats = EngineStats()
@@ -128,7 +133,7 @@ class EngineCore:
             dtype=kv.tensor.dtype,
             device=self.runner.device,
             model_fingerprint=self.source.fingerprint,
-            weight_version=self.weight_version,
+            weight_version=self.kv_version,
             stats=self.stats,
             pool=self.kv.pool,
         )
@@ -184,7 +189,7 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def _hash_extra(self, cache_salt: str | None) -> bytes:
-        return ExtraKeys(self.source.fingerprint, self.weight_version, cache_salt).encode()
+        return ExtraKeys(self.source.fingerprint, self.kv_version, cache_salt).encode()
 
     def _validate(self, req: EngineCoreRequest) -> None:
         n = len(req.prompt_token_ids)
@@ -538,11 +543,11 @@ class EngineCore:
             self.stats.inc("weight_updates")
         return self.weight_version
 
-    def _receive(self, update_info: Any) -> None:
+    def _receive(self, update_info: Any, receiver: Receiver | None = None) -> None:
         t0 = time.perf_counter()
-        backend = self.updater.backend
+        backend = (receiver or self.updater.receiver).backend
         try:
-            nbytes = self.updater.receive(update_info)
+            nbytes = self.updater.receive(update_info, receiver)
         except UpdateFailed:
             self.stats.inc("weight_transfer_failures", backend=backend)
             raise
@@ -567,7 +572,7 @@ class EngineCore:
             self._set_weight_version(str(weight_version))
         self.kv.reset_prefix_cache()
         if self.connector is not None:
-            self.connector.evict_other_versions(self.weight_version)
+            self.connector.evict_other_versions(self.kv_version)
         return self.weight_version
 
     def get_world_size(self) -> int:
@@ -583,13 +588,33 @@ class EngineCore:
         self.weights.wrote(set(self.weights.expected))
 
     def _set_weight_version(self, version: str) -> None:
+        """New weights, unless the caller names the current version (vLLM's calls)."""
+        if version != self.weight_version:
+            self._new_kv_version(version)
+            self._rename_weights(version)
+
+    def _rename_weights(self, version: str) -> None:
+        """The name outputs report from now on; what is cached stays keyed as it was."""
         if version == self.weight_version:
             return
         self.stats.set("weight_version_info", 0.0, version=self.weight_version)
         self.weight_version = version
         self._record_weight_version()
-        if self.connector is not None:
-            self.connector.set_weight_version(version)
+
+    def _new_kv_version(self, version: str) -> None:
+        """Weights were written: KV from now on is theirs, keyed by ``version``, and nothing
+        cached under ``version`` before may be served."""
+        if version == self.kv_version:
+            # New weights under the key the cache already uses (a version renamed, then named
+            # again; or one-call updates that send every bucket under one version): every entry
+            # under it came from the weights just replaced.
+            self.kv.reset_prefix_cache()
+            if self.connector is not None:
+                self.connector.reset_cache()
+        else:
+            self.kv_version = version
+            if self.connector is not None:
+                self.connector.set_weight_version(version)
         # Requests re-key their blocks under the new version when next scheduled. One that keeps
         # KV the old weights computed must not publish blocks built on it until it recomputes.
         for request in self.scheduler.requests.values():

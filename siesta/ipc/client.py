@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from siesta.config import EngineConfig
 from siesta.core.engine_core import EngineCoreRequest
+from siesta.core.one_call_updates import OneCallResult
 from siesta.ipc.core_proc import run_engine_core
 from siesta.ipc.protocol import (
     AbortRequests,
@@ -32,15 +33,18 @@ from siesta.ipc.protocol import (
     AddRequests,
     CallCodec,
     CoreCall,
+    DestroyWeightsUpdateGroup,
     EngineInfo,
     Fatal,
     FinishWeightUpdate,
     GetInfo,
     GetWorldSize,
+    InitWeightsUpdateGroup,
     InitWeightTransfer,
     IsPaused,
     IsSleeping,
     MessageCodec,
+    OneCallOptions,
     Pause,
     Ready,
     RemoteError,
@@ -52,6 +56,10 @@ from siesta.ipc.protocol import (
     StartWeightUpdate,
     StepOutputs,
     UpdateWeights,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+    UpdateWeightVersion,
     WakeUp,
 )
 from siesta.ipc.remote_errors import EngineDeadError, from_remote
@@ -348,6 +356,35 @@ class EngineCoreClient:
 
     async def get_world_size(self) -> int:
         return int(await self.call(GetWorldSize()))
+
+    # -- SGLang's weight calls ---------------------------------------------------------------
+
+    async def init_weights_update_group(self, init_info: dict[str, Any]) -> str:
+        return str(await self.call(InitWeightsUpdateGroup(init_info=init_info)))
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self.call(DestroyWeightsUpdateGroup(group_name=group_name))
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        load_format: str | None, options: OneCallOptions,
+    ) -> OneCallResult:  # fmt: skip
+        call = UpdateWeightsFromDistributed(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                                            load_format=load_format, options=options)  # fmt: skip
+        return msgspec.convert(await self.call(call), OneCallResult)
+
+    async def update_weights_from_tensor(
+        self, serialized: list[str], load_format: str | None, options: OneCallOptions
+    ) -> OneCallResult:
+        call = UpdateWeightsFromTensor(serialized=serialized, load_format=load_format, options=options)
+        return msgspec.convert(await self.call(call), OneCallResult)
+
+    async def update_weights_from_disk(self, model_path: str, options: OneCallOptions) -> OneCallResult:
+        return msgspec.convert(await self.call(UpdateWeightsFromDisk(model_path=model_path, options=options)),
+                               OneCallResult)  # fmt: skip
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> str:
+        return str(await self.call(UpdateWeightVersion(new_version=new_version, abort_all_requests=abort_all_requests)))
 
     async def get_info(self) -> EngineInfo:
         return msgspec.convert(await self.call(GetInfo()), EngineInfo)

@@ -7,15 +7,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
+
 from siesta.ipc.protocol import (
     AbortRequests,
     AddRequest,
     AddRequests,
     CoreCall,
+    DestroyWeightsUpdateGroup,
     EngineInfo,
     FinishWeightUpdate,
     GetInfo,
     GetWorldSize,
+    InitWeightsUpdateGroup,
     InitWeightTransfer,
     IsPaused,
     IsSleeping,
@@ -26,6 +30,10 @@ from siesta.ipc.protocol import (
     Sleep,
     StartWeightUpdate,
     UpdateWeights,
+    UpdateWeightsFromDisk,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+    UpdateWeightVersion,
     WakeUp,
 )
 
@@ -55,6 +63,13 @@ class Engine(Protocol):
     def start_weight_update(self, is_checkpoint_format: bool = ...) -> None: ...
     def finish_weight_update(self, weight_version: str | None = ...) -> str: ...
     def get_world_size(self) -> int: ...
+    def init_weights_update_group(self, init_info: Any) -> str: ...
+    def destroy_weights_update_group(self, group_name: str = ...) -> None: ...
+    def update_weights_from_distributed(self, names: Any, dtypes: Any, shapes: Any, group_name: str = ...,
+                                        load_format: str | None = ..., **options: Any) -> Any: ...  # fmt: skip
+    def update_weights_from_tensor(self, serialized: list[Any], load_format: str | None = ..., **o: Any) -> Any: ...
+    def update_weights_from_disk(self, model_path: str, **options: Any) -> Any: ...
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = ...) -> str: ...
 
 
 @dataclass
@@ -90,7 +105,14 @@ class CallHandler:
             GetWorldSize: lambda _: Outcome(self.engine.get_world_size()),
             GetInfo: lambda _: Outcome(self.info()),
             Shutdown: self._shutdown,
-        }
+            InitWeightsUpdateGroup: lambda c: Outcome(self.engine.init_weights_update_group(c.init_info)),
+            DestroyWeightsUpdateGroup: self._destroy_weights_update_group,
+            UpdateWeightsFromDistributed: self._update_weights_from_distributed,
+            UpdateWeightsFromTensor: self._update_weights_from_tensor,
+            UpdateWeightsFromDisk: self._update_weights_from_disk,
+            UpdateWeightVersion: lambda c: Outcome(self.engine.update_weight_version(c.new_version,
+                                                                                      c.abort_all_requests)),
+        }  # fmt: skip
 
     def handle(self, call: CoreCall) -> Outcome:
         """Runs one call; exceptions propagate to the caller, which sends them back typed."""
@@ -149,6 +171,22 @@ class CallHandler:
 
     def _finish_weight_update(self, call: FinishWeightUpdate) -> Outcome:
         return Outcome(self.engine.finish_weight_update(call.weight_version))
+
+    def _destroy_weights_update_group(self, call: DestroyWeightsUpdateGroup) -> Outcome:
+        self.engine.destroy_weights_update_group(call.group_name)
+        return Outcome()
+
+    def _update_weights_from_distributed(self, call: UpdateWeightsFromDistributed) -> Outcome:
+        options = msgspec.structs.asdict(call.options)
+        return Outcome(self.engine.update_weights_from_distributed(
+            call.names, call.dtypes, call.shapes, call.group_name, call.load_format, **options))  # fmt: skip
+
+    def _update_weights_from_tensor(self, call: UpdateWeightsFromTensor) -> Outcome:
+        options = msgspec.structs.asdict(call.options)
+        return Outcome(self.engine.update_weights_from_tensor(list(call.serialized), call.load_format, **options))
+
+    def _update_weights_from_disk(self, call: UpdateWeightsFromDisk) -> Outcome:
+        return Outcome(self.engine.update_weights_from_disk(call.model_path, **msgspec.structs.asdict(call.options)))
 
     def _shutdown(self, _: Shutdown) -> Outcome:
         self.stopping = True

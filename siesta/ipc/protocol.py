@@ -22,6 +22,7 @@ import msgspec
 from siesta.core.engine_core import EngineCoreRequest
 from siesta.metrics import StatsSnapshot
 from siesta.request import EngineCoreOutput
+from siesta.weight_transfer.sglang_group import DEFAULT_GROUP_NAME
 
 
 class Call(msgspec.Struct, omit_defaults=True):
@@ -110,6 +111,49 @@ class GetWorldSize(CoreCall, tag="get_world_size", omit_defaults=True):
     pass
 
 
+# SGLang's weight calls: named groups, updates that are one call each, the version rename.
+
+
+class InitWeightsUpdateGroup(CoreCall, tag="init_weights_update_group", omit_defaults=True):
+    init_info: Any = None  # SGLang's body: master_address, master_port, rank_offset, world_size, ...
+
+
+class DestroyWeightsUpdateGroup(CoreCall, tag="destroy_weights_update_group", omit_defaults=True):
+    group_name: str = DEFAULT_GROUP_NAME
+
+
+class OneCallOptions(msgspec.Struct, omit_defaults=True):
+    weight_version: str | None = None  # None: the next version
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+    empty_cache: bool = False
+
+
+class UpdateWeightsFromDistributed(CoreCall, tag="update_weights_from_distributed", omit_defaults=True):
+    names: Any = None
+    dtypes: Any = None
+    shapes: Any = None
+    group_name: str = DEFAULT_GROUP_NAME
+    load_format: str | None = None
+    options: OneCallOptions = msgspec.field(default_factory=OneCallOptions)
+
+
+class UpdateWeightsFromTensor(CoreCall, tag="update_weights_from_tensor", omit_defaults=True):
+    serialized: list[str] = []  # one base64 pickle per engine rank
+    load_format: str | None = None
+    options: OneCallOptions = msgspec.field(default_factory=OneCallOptions)
+
+
+class UpdateWeightsFromDisk(CoreCall, tag="update_weights_from_disk", omit_defaults=True):
+    model_path: str = ""
+    options: OneCallOptions = msgspec.field(default_factory=OneCallOptions)
+
+
+class UpdateWeightVersion(CoreCall, tag="update_weight_version", omit_defaults=True):
+    new_version: str = ""
+    abort_all_requests: bool = True  # SGLang's default
+
+
 class GetInfo(CoreCall, tag="get_info", omit_defaults=True):
     pass
 
@@ -121,7 +165,8 @@ class Shutdown(CoreCall, tag="shutdown", omit_defaults=True):
 CoreCallUnion = (
     AddRequest | AddRequests | AbortRequests | Pause | Resume | IsPaused | Sleep | WakeUp | IsSleeping
     | ResetPrefixCache | UpdateWeights | InitWeightTransfer | StartWeightUpdate | FinishWeightUpdate
-    | GetWorldSize | GetInfo | Shutdown
+    | GetWorldSize | GetInfo | Shutdown | InitWeightsUpdateGroup | DestroyWeightsUpdateGroup
+    | UpdateWeightsFromDistributed | UpdateWeightsFromTensor | UpdateWeightsFromDisk | UpdateWeightVersion
 )  # fmt: skip
 
 

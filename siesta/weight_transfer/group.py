@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 STORE_PREFIX = "siesta-weight-transfer"
+NCCL, GLOO = "nccl", "gloo"
 SOURCE_RANK = 0  # the trainer
 # How often a CUDA collective's completion is polled while the host waits for it.
 POLL_S = 0.001
@@ -69,28 +70,47 @@ class TransferGroup:
         self.abort()
 
 
-def open_group(
-    master_address: str, master_port: int, rank: int, world_size: int, device: torch.device, timeout_s: float
-) -> TransferGroup:
-    """Join (rank > 0) or host (rank 0) the group; blocks until every rank has joined."""
-    timeout = timedelta(seconds=timeout_s)
+def connect_store(
+    master_address: str, master_port: int, world_size: int, is_master: bool, timeout_s: float, counts_itself: bool
+) -> dist.TCPStore:
+    """The trainer's TCPStore (hosted by rank 0), reached within the timeout.
+
+    ``counts_itself``: add this member to the store's count of joined workers, which a master
+    built by torch's ``rendezvous`` waits on (SGLang's trainers); siesta's own master does not.
+    """
     try:
-        store = dist.TCPStore(
-            master_address, master_port, world_size, is_master=rank == SOURCE_RANK, timeout=timeout,
-            wait_for_workers=False,
+        return dist.TCPStore(
+            master_address, master_port, world_size, is_master=is_master, timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=counts_itself,
         )  # fmt: skip
     except RuntimeError as e:  # DistStoreError: nobody listens there, or not in time
         raise TransferTimeout(
             f"could not reach the weight-transfer store at {master_address}:{master_port} within {timeout_s:.0f}s: {e}"
         ) from None
-    prefixed = dist.PrefixStore(STORE_PREFIX, store)
-    if device.type == "cuda":
+
+
+def make_process_group(
+    store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float
+) -> dist.ProcessGroup:
+    """A standalone ``ProcessGroupNCCL`` or ``ProcessGroupGloo`` over ``store`` (never the default group)."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == NCCL:
         os.environ.setdefault(*_NCCL_ERROR_HANDLING)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        group: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    else:
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    if backend == GLOO:
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    raise ValueError(f"a weight-transfer group runs on {NCCL} or {GLOO}, not {backend!r}")
+
+
+def open_group(
+    master_address: str, master_port: int, rank: int, world_size: int, device: torch.device, timeout_s: float
+) -> TransferGroup:
+    """Join (rank > 0) or host (rank 0) siesta's group; blocks until every rank has joined."""
+    store = connect_store(master_address, master_port, world_size, rank == SOURCE_RANK, timeout_s, counts_itself=False)
+    backend = NCCL if device.type == "cuda" else GLOO
+    group = make_process_group(dist.PrefixStore(STORE_PREFIX, store), rank, world_size, backend, timeout_s)
     transfer = TransferGroup(group, store, rank, world_size, device, timeout_s)
     # One tiny collective now, so that a mismatched world size or a missing rank fails at
     # init, not halfway through the first update.

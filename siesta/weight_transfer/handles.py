@@ -63,12 +63,16 @@ class _HandleUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def decode_base64(data: Any, field: str) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise WeightTransferError(f"{field} is not base64") from None
+
+
 def unpickle_handles(data: str) -> Any:
     """``ipc_handles_pickled`` (base64 of a pickle) -> the handles, through the restricted unpickler."""
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError, TypeError):
-        raise WeightTransferError("ipc_handles_pickled is not base64") from None
+    raw = decode_base64(data, "ipc_handles_pickled")
     try:
         return _HandleUnpickler(io.BytesIO(raw)).load()
     except WeightTransferError:
@@ -103,7 +107,7 @@ class HandleOpener:
     def _open_cuda(self, handle: Any) -> torch.Tensor:
         if not isinstance(handle, dict):
             raise WeightTransferError(f"a CUDA IPC handle maps GPU UUIDs to handles, got {type(handle).__name__}")
-        index, uuid = self._gpu()
+        index, uuid = self.gpu()
         if uuid not in handle:
             raise WeightTransferError(
                 f"no IPC handle for this engine's GPU {uuid}: the trainer shared {sorted(map(str, handle))}; "
@@ -138,7 +142,7 @@ class HandleOpener:
             self._cuda_used.add(key)
         return tensor
 
-    def _gpu(self) -> tuple[int, str]:
+    def gpu(self) -> tuple[int, str]:
         """This engine's device index and the UUID trainers key their handles by (looked up once)."""
         if self._uuid is None:
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -28,6 +28,29 @@ class TransferFailed(RuntimeError):
     """The bytes did not arrive (a trainer that died or went silent); the group is closed."""
 
 
+class Rendezvous(Protocol):
+    """How an engine rank joins the trainer's group: siesta's (vLLM's init info) or SGLang's."""
+
+    rejoin: str  # the call that joins again once a failed broadcast closed the group
+
+    def join(self, init_info: Any, local_rank: int, device: torch.device, timeout_s: float) -> TransferGroup: ...
+
+
+class SiestaRendezvous:
+    """vLLM's init info into siesta's own group (``siesta.weight_transfer.group``)."""
+
+    rejoin = "init_weight_transfer_engine"
+
+    def join(self, init_info: Any, local_rank: int, device: torch.device, timeout_s: float) -> TransferGroup:
+        info = parse_nccl_init(init_info)
+        rank = info.rank_offset + local_rank
+        if rank >= info.world_size:
+            raise WeightTransferError(
+                f"rank_offset {info.rank_offset} puts this engine at rank {rank}, outside world_size {info.world_size}"
+            )
+        return open_group(info.master_address, info.master_port, rank, info.world_size, device, timeout_s)
+
+
 class Receiver:
     backend = ""
 
@@ -39,6 +62,10 @@ class Receiver:
     @property
     def ready(self) -> bool:
         raise NotImplementedError
+
+    def not_ready(self) -> str:
+        """Why ``receive`` cannot run yet, and what to call."""
+        return f"the {self.backend} weight transfer is not initialised: call init_weight_transfer_engine first"
 
     def init(self, init_info: Any) -> None:
         raise NotImplementedError
@@ -56,7 +83,7 @@ class Receiver:
         pass
 
 
-def _typed(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+def typed_view(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     """Bytes as the declared tensor; a tensor that follows one of another dtype may start
     off its own alignment, and is copied out first."""
     if raw.storage_offset() % meta.dtype.itemsize:
@@ -67,35 +94,38 @@ def _typed(raw: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 def _split(buffer: torch.Tensor, tensors: list[TensorMeta]) -> Batch:
     """Views of a bucket's bytes as the tensors packed into it, in order."""
     views = buffer[: sum(t.nbytes for t in tensors)].split([t.nbytes for t in tensors])
-    return [(t, _typed(v, t)) for t, v in zip(tensors, views)]
+    return [(t, typed_view(v, t)) for t, v in zip(tensors, views)]
 
 
 class NcclReceiver(Receiver):
-    """Receives broadcasts from the trainer (rank 0) in the group the init info names."""
+    """Receives broadcasts from the trainer (rank 0) in the group the init info names, joined
+    through ``rendezvous``: siesta's by default, SGLang's for ``/init_weights_update_group``."""
 
     backend = "nccl"
 
-    def __init__(self, config: WeightTransferConfig, device: torch.device, local_rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        device: torch.device,
+        local_rank: int = 0,
+        rendezvous: Rendezvous | None = None,
+    ) -> None:
         super().__init__(config, device, local_rank)
+        self.rendezvous = rendezvous or SiestaRendezvous()
         self.group: TransferGroup | None = None
 
     @property
     def ready(self) -> bool:
         return self.group is not None
 
+    def not_ready(self) -> str:
+        return f"no weight-transfer group: call {self.rendezvous.rejoin} first"
+
     def init(self, init_info: Any) -> None:
-        info = parse_nccl_init(init_info)
-        rank = info.rank_offset + self.local_rank
-        if rank >= info.world_size:
-            raise WeightTransferError(
-                f"rank_offset {info.rank_offset} puts this engine at rank {rank}, outside world_size {info.world_size}"
-            )
         self.close()  # a trainer that restarts opens a new group
-        self.group = open_group(
-            info.master_address, info.master_port, rank, info.world_size, self.device, self.config.timeout_s
-        )
-        logger.info("joined the weight-transfer group at %s:%d as rank %d of %d",
-                    info.master_address, info.master_port, rank, info.world_size)  # fmt: skip
+        self.group = self.rendezvous.join(init_info, self.local_rank, self.device, self.config.timeout_s)
+        logger.info("joined a weight-transfer group (%s) as rank %d of %d",
+                    self.rendezvous.rejoin, self.group.rank, self.group.world_size)  # fmt: skip
 
     def receive(self, info: UpdateInfo, accept: Accept) -> None:
         group = self._group()
@@ -117,7 +147,7 @@ class NcclReceiver(Receiver):
         except (RuntimeError, TimeoutError) as e:
             self.close()  # a group with a failed collective is out of step: the trainer must init again
             raise TransferFailed(
-                f"the weight broadcast failed ({type(e).__name__}: {e}); init_weight_transfer_engine again"
+                f"the weight broadcast failed ({type(e).__name__}: {e}); {self.rendezvous.rejoin} again"
             ) from e
 
     def drain(self, info: UpdateInfo) -> None:
@@ -126,7 +156,7 @@ class NcclReceiver(Receiver):
 
     def _group(self) -> TransferGroup:
         if self.group is None:
-            raise WeightTransferError("no weight-transfer group: call init_weight_transfer_engine first")
+            raise WeightTransferError(self.not_ready())
         return self.group
 
     def close(self) -> None:
@@ -204,7 +234,7 @@ class IpcReceiver(Receiver):
                 raise WeightTransferError(
                     f"{meta.name}: the shared buffer holds {shared.numel()} bytes, its shape and dtype need {meta.nbytes}"
                 )
-            return _typed(shared, meta)
+            return typed_view(shared, meta)
         if shared.dtype != meta.dtype or tuple(shared.shape) != meta.shape:
             raise WeightTransferError(
                 f"{meta.name}: the shared tensor is {list(shared.shape)} {shared.dtype}, "
@@ -215,6 +245,26 @@ class IpcReceiver(Receiver):
     def close(self) -> None:
         self.opener.close()
         self._last_pickled = None
+
+
+class LocalReceiver(Receiver):
+    """Tensors this process already holds (opened from handles a trainer shared), handed over as
+    the update declares them; the updater's checks and writes are those of every backend."""
+
+    backend = "tensor"
+
+    def __init__(self, config: WeightTransferConfig, device: torch.device, tensors: list[torch.Tensor]) -> None:
+        super().__init__(config, device)
+        self.tensors = tensors
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    def receive(self, info: UpdateInfo, accept: Accept) -> None:
+        if len(self.tensors) != len(info.tensors):
+            raise WeightTransferError(f"{len(info.tensors)} tensors declared, {len(self.tensors)} handed over")
+        accept(list(zip(info.tensors, self.tensors)))
 
 
 RECEIVERS: dict[str, type[Receiver]] = {NcclReceiver.backend: NcclReceiver, IpcReceiver.backend: IpcReceiver}

@@ -18,7 +18,7 @@ import torch
 
 from siesta.config import WeightTransferConfig
 from siesta.model.llama import CausalLM, WeightTarget
-from siesta.weight_transfer.receivers import Batch, TransferFailed, make_receiver
+from siesta.weight_transfer.receivers import Batch, NcclReceiver, Receiver, Rendezvous, TransferFailed, make_receiver
 from siesta.weight_transfer.state import REPAIR, WeightState
 from siesta.weight_transfer.wire import UpdateInfo, WeightTransferError, dtype_name, parse_update_info
 
@@ -43,7 +43,11 @@ class WeightUpdater:
         self.config = config
         self.model = model
         self.device = device
+        self.local_rank = local_rank
         self.receiver = make_receiver(config, device, local_rank)
+        # Groups joined by name (SGLang's /init_weights_update_group; slime opens one per
+        # pipeline stage), beside the configured backend's receiver.
+        self.groups: dict[str, NcclReceiver] = {}
         self.state = WeightState(frozenset(model.expected_weight_names()))
         self.last_call = time.monotonic()  # of the open update (start, receive, write)
 
@@ -57,6 +61,20 @@ class WeightUpdater:
 
     def init_engine(self, init_info: Any) -> None:
         self.receiver.init(init_info)
+
+    def join_group(self, name: str, init_info: Any, rendezvous: Rendezvous) -> None:
+        """Join (again: a trainer that restarts) the group ``name`` through ``rendezvous``."""
+        self.leave_group(name)
+        receiver = NcclReceiver(self.config, self.device, self.local_rank, rendezvous)
+        receiver.init(init_info)
+        self.groups[name] = receiver
+
+    def leave_group(self, name: str) -> bool:
+        """Close the group ``name``; returns whether there was one."""
+        receiver = self.groups.pop(name, None)
+        if receiver is not None:
+            receiver.close()
+        return receiver is not None
 
     def start(self) -> bool:
         """Open an update unless one is open; returns whether this call opened it."""
@@ -82,15 +100,16 @@ class WeightUpdater:
         self.state.close()
         return True
 
-    def receive(self, update_info: Any) -> int:
-        """Receive one update through the backend; returns the bytes received.
+    def receive(self, update_info: Any, receiver: Receiver | None = None) -> int:
+        """Receive one update through ``receiver`` (the configured backend's by default);
+        returns the bytes received.
 
         Raises WeightTransferError (refused: nothing written) or UpdateFailed (broke off; if
         it wrote anything the weights are torn until the rest arrives).
         """
         self.last_call = time.monotonic()
         try:
-            written, nbytes = self._receive(update_info)
+            written, nbytes = self._receive(update_info, receiver or self.receiver)
         except UpdateFailed as e:
             if not e.written:  # broke off before the first tensor landed: the weights are as they were
                 raise UpdateFailed(f"{e}; nothing was written, the weights are unchanged") from e
@@ -123,17 +142,15 @@ class WeightUpdater:
             raise
         self.state.wrote(written)
 
-    def _receive(self, update_info: Any) -> tuple[set[str], int]:
+    def _receive(self, update_info: Any, receiver: Receiver) -> tuple[set[str], int]:
         info = parse_update_info(update_info, self.config)
-        if not self.receiver.ready:
-            raise WeightTransferError(
-                f"the {self.backend} weight transfer is not initialised: call init_weight_transfer_engine first"
-            )
+        if not receiver.ready:
+            raise WeightTransferError(receiver.not_ready())
         try:
             targets = self._targets(info)
         except WeightTransferError as refusal:
             try:
-                self.receiver.drain(info)
+                receiver.drain(info)
             except TransferFailed as e:
                 raise WeightTransferError(f"{refusal} (and the trainer's bytes could not be taken: {e})") from None
             raise
@@ -151,7 +168,7 @@ class WeightUpdater:
 
         declared = {t.key for t in targets.values() if t is not None}
         try:
-            self.receiver.receive(info, accept)
+            receiver.receive(info, accept)
         except TransferFailed as e:
             raise UpdateFailed(str(e), written, declared - written) from e
         if self.device.type == "cuda":
@@ -176,3 +193,5 @@ class WeightUpdater:
 
     def close(self) -> None:
         self.receiver.close()
+        for name in list(self.groups):
+            self.leave_group(name)

@@ -29,6 +29,7 @@ from siesta.entrypoints.server.limits import BodySizeLimit, PromptLimit
 from siesta.entrypoints.server.sglang import control as sglang_control
 from siesta.entrypoints.server.sglang import generate as sglang_generate
 from siesta.entrypoints.server.sglang import info as sglang_info
+from siesta.entrypoints.server.sglang import weights as sglang_weights
 from siesta.entrypoints.server.state import ServerConfig, ServerState
 from siesta.ipc.client import EngineCoreClient
 from siesta.model.loader import resolve_model
@@ -67,6 +68,7 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
         app.include_router(dev_routes.router)
         app.include_router(weight_routes.router)
         app.include_router(sglang_control.router)
+        app.include_router(sglang_weights.router)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)  # outermost: before any parsing

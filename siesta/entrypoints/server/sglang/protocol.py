@@ -36,7 +36,7 @@ GENERATE_NOT_IMPLEMENTED: dict[str, Any] = {
 }  # fmt: skip
 # Fields SGLang defines that change nothing a client can see here.
 IGNORED = frozenset({"log_metrics", "no_logs", "stream_interval", "priority", "conversation_id", "label",
-                     "background", "request_id", "routed_dp_rank", "http_worker_ipc"})  # fmt: skip
+                     "background", "request_id", "routed_dp_rank", "http_worker_ipc", "rid"})  # fmt: skip
 
 
 def _is_off(value: Any, off: Any) -> bool:
