@@ -139,3 +139,39 @@ def test_a_bucket_entry_outside_the_bucket_is_refused(file_system, decoder):
     bucket["metadata"][0].end_idx = 64
     with pytest.raises(WeightTransferError, match=r"w: \[0, 64\) is not inside the bucket's 16 elements"):
         decoder.decode(serialize(bucket), "flattened_bucket")
+
+
+# -- CUDA: the trainer's tensors from another process (GPU only; bench/gpu.sh runs these) --------
+
+
+def _cuda_sharer(conn, flat: bool) -> None:
+    """A trainer: its CUDA tensors, serialized as SGLang's sender does, stay alive until told."""
+    import torch as t
+
+    from weight_transfer.sglang_trainer import flattened_bucket as bucket
+    from weight_transfer.sglang_trainer import serialize as dump
+
+    named = [(n, x.detach().contiguous().cuda()) for n, x in tensors()]
+    t.cuda.synchronize()
+    conn.send(dump(bucket(named) if flat else named))
+    conn.recv()  # the engine has copied them
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by bench/gpu.sh)")
+@pytest.mark.parametrize("flat", [False, True])
+def test_cuda_tensors_of_another_process_open_bit_exact(flat):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_cuda_sharer, args=(child, flat))
+    proc.start()
+    decoder = SerializedTensors(torch.device("cuda"))
+    try:
+        got = decoder.decode(parent.recv(), "flattened_bucket" if flat else None)
+        copies = [(n, x.clone()) for n, x in got]
+        torch.cuda.synchronize()
+    finally:
+        parent.send("done")
+        proc.join(60)
+        decoder.close()
+    assert all(x.is_cuda for _, x in copies)
+    assert_same([(n, x.cpu()) for n, x in copies], [(n, x.detach().contiguous()) for n, x in tensors()])
