@@ -21,6 +21,9 @@ MAX_FUZZ_CHOICES = 2
 MAX_FUZZ_PROMPTS = 3
 REQUEST_TIMEOUT_S = 120
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens")
+# The token-in/token-out routes carry their lengths in a sampling_params object (SGLang's: one
+# per prompt, or one for all), under vLLM's or SGLang's names.
+SAMPLING_LENGTHS = ("max_tokens", "max_new_tokens", "min_tokens", "min_new_tokens")
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,7 @@ def schema(dev_server):
     return schemathesis.openapi.from_url(f"{dev_server.url}/openapi.json")
 
 
-def _cap(body: object) -> None:
+def _cap(body: object, path: str = "") -> None:
     """Bound the work a drawn body asks for (tokens, choices, prompts); keep everything else."""
     if not isinstance(body, dict):
         return
@@ -44,10 +47,33 @@ def _cap(body: object) -> None:
             body[name] = body[name][:MAX_FUZZ_PROMPTS]
     if isinstance(body.get("min_tokens"), int) and not isinstance(body.get("min_tokens"), bool):
         body["min_tokens"] = min(body["min_tokens"], MAX_FUZZ_TOKENS)
+    for name in ("text", "input_ids"):
+        if isinstance(body.get(name), list) and body[name] and isinstance(body[name][0], (str, list)):
+            body[name] = body[name][:MAX_FUZZ_PROMPTS]
+    sampling = body.get("sampling_params")
+    length = "max_new_tokens" if path == "/generate" else "max_tokens"  # SGLang's default is 128
+    if sampling is None and path in ("/generate", "/inference/v1/generate"):
+        body["sampling_params"] = sampling = {}
+    for params in sampling if isinstance(sampling, list) else [sampling]:
+        _cap_sampling(params, length)
+
+
+def _cap_sampling(params: object, length: str) -> None:
+    if not isinstance(params, dict):
+        return
+    for name in SAMPLING_LENGTHS:
+        if isinstance(params.get(name), int) and not isinstance(params.get(name), bool):
+            params[name] = min(params[name], MAX_FUZZ_TOKENS)
+    if params.get(length) is None:  # left out or null: the route's default, or the context limit
+        params[length] = MAX_FUZZ_TOKENS
+    if isinstance(params.get("n"), int) and not isinstance(params.get("n"), bool):
+        params["n"] = min(params["n"], MAX_FUZZ_CHOICES)
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["positive", "negative"])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/generate", "/inference/v1/generate"]
+)
 def test_no_server_errors(schema, dev_server, path, mode):
     operation = schema[path]["POST"]
 
@@ -55,7 +81,7 @@ def test_no_server_errors(schema, dev_server, path, mode):
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(case=operation.as_strategy(generation_mode=mode))
     def fuzz(case):
-        _cap(case.body)
+        _cap(case.body, path)
         response = case.call(base_url=dev_server.url, timeout=REQUEST_TIMEOUT_S)
         case.validate_response(response, checks=[not_a_server_error])
 

@@ -34,6 +34,7 @@ def test_a_request_across_a_weight_update_reports_both_versions(dev_server):
     assert [s["weight_version"] for s in spans] == [before, after] and after != before
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 48
     assert body["weight_version"] == after
+    assert httpx.get(f"{dev_server.url}/v1/models").json()["data"][0]["weight_version"] == after
 
 
 def test_an_ordinary_response_has_one_span(dev_server):

@@ -21,9 +21,10 @@ _UNAVAILABLE = 503
 async def list_models(request: Request) -> dict[str, Any]:
     state = server_state(request)
     root = state.config.model_path or state.info.model_name
+    version = (await state.core.get_info()).weight_version  # siesta's: the weights serving now
     cards = [
         {"id": name, "object": "model", "created": state.created, "owned_by": OWNER, "root": root, "parent": None,
-         "max_model_len": state.info.max_model_len}
+         "max_model_len": state.info.max_model_len, "weight_version": version}
         for name in state.model_names
     ]  # fmt: skip
     return {"object": "list", "data": cards}
