@@ -45,7 +45,8 @@ SPECS: dict[str, MetricSpec] = {
         MetricSpec("kv_offload_store_bytes", "counter", "Bytes stored into a KV tier.", ("tier",)),
         MetricSpec("kv_offload_load_bytes", "counter", "Bytes loaded out of a KV tier.", ("tier",)),
         MetricSpec("kv_offload_evictions", "counter", "KV tier entries evicted.", ("tier",)),
-        MetricSpec("kv_offload_dropped_stores", "counter", "Stores skipped because every host slot was pinned."),
+        MetricSpec("kv_offload_dropped_stores", "counter", "Tier stores not made, by tier and reason "
+                   "(no_space, parent_missing, io_error, version_stale, cache_reset).", ("tier", "reason")),
         MetricSpec("kv_offload_bytes_used", "gauge", "Bytes held by a KV tier.", ("tier",)),
         MetricSpec("kv_offload_bytes_capacity", "gauge", "Byte budget of a KV tier.", ("tier",)),
         MetricSpec("pauses", "counter", "Completed pauses (sleep included).", ("mode",)),
