@@ -254,6 +254,7 @@ class EngineCore:
         return self.connector is not None and not self.memory.kv_released and self.connector.has_pending_work()
 
     def step(self) -> EngineCoreOutputs:
+        t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         if self._scheduling_allowed():
             outputs.extend(self._run_one_step())
@@ -263,6 +264,8 @@ class EngineCore:
             self.connector.wait_for_stores(self.runner.kv_cache)
         if self._pause_mode == "wait" and not self._pause_done and not self.scheduler.has_unfinished():
             self._complete_pause()
+        # What a control call arriving mid-step waits for at most (the engine-core loop answers between steps).
+        self.stats.observe("engine_step_seconds", time.perf_counter() - t0)
         return EngineCoreOutputs(outputs=outputs, stats=self.stats.drain())
 
     def _scheduling_allowed(self) -> bool:
