@@ -339,6 +339,14 @@ class EngineCore:
         """Read back the step in flight before a control call changes what it depends on."""
         self._pending.extend(self._finish_inflight())
 
+    def close(self) -> None:
+        """Before the process exits: the tier stores still planned or in flight are finished,
+        so what the last steps computed reaches the disk tier for the next engine, instead of
+        going with the process (uncounted: no one would see the count)."""
+        self._settle()
+        if self._connector_busy():
+            self.connector.wait_for_stores(self.runner.kv_cache)
+
     def drain_stats(self) -> StatsSnapshot:
         return self.stats.drain()
 

@@ -746,3 +746,17 @@ def test_the_dropped_stores_help_names_every_reason():
     from siesta.metrics import SPECS
 
     assert all(reason.value in SPECS["kv_offload_dropped_stores"].help for reason in DropReason)
+
+
+def test_closing_the_engine_finishes_its_stores_onto_the_disk(tmp_path):
+    """The stores the last step planned would go with the process (no one left to count them):
+    the engine core closes the engine before it exits, which lands them on the disk."""
+    llm = engine(offload(disk_path=str(tmp_path), disk_bytes_to_use=1 << 26))
+    disk = llm.engine.connector.disk
+    p = prompts(1)[0]
+    llm.add_request({"prompt_token_ids": p}, GREEDY)
+    llm.step()  # the prefill: its entries are planned, not yet stored
+    assert len(disk) == 0
+    llm.engine.close()
+    assert len(disk) == len(p) // TIER_BLOCK == len(list(disk.dir.glob("*.kv")))
+    assert dropped(counters(llm)) == {}
