@@ -17,6 +17,12 @@ PREFIX = "siesta_"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0)  # fmt: skip
+# Step times, 0.5 ms to ~30 s, each bucket 1.5x the last: the bucket of the slowest step bounds
+# it within 1.5x (what a control call waits for; the latency buckets are up to 5x apart).
+_STEP_BUCKET_FIRST_S = 0.0005
+_STEP_BUCKET_RATIO = 1.5
+_STEP_BUCKET_COUNT = 28
+_STEP_BUCKETS = tuple(round(_STEP_BUCKET_FIRST_S * _STEP_BUCKET_RATIO**i, 6) for i in range(_STEP_BUCKET_COUNT))
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,7 @@ class MetricSpec:
     kind: str  # counter | gauge | histogram
     help: str
     labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = _LATENCY_BUCKETS  # histograms only
 
 
 SPECS: dict[str, MetricSpec] = {
@@ -45,7 +52,8 @@ SPECS: dict[str, MetricSpec] = {
         MetricSpec("kv_offload_store_bytes", "counter", "Bytes stored into a KV tier.", ("tier",)),
         MetricSpec("kv_offload_load_bytes", "counter", "Bytes loaded out of a KV tier.", ("tier",)),
         MetricSpec("kv_offload_evictions", "counter", "KV tier entries evicted.", ("tier",)),
-        MetricSpec("kv_offload_dropped_stores", "counter", "Stores skipped because every host slot was pinned."),
+        MetricSpec("kv_offload_dropped_stores", "counter", "Tier stores not made, by tier and reason "
+                   "(no_space, parent_missing, io_error, version_stale, cache_reset).", ("tier", "reason")),
         MetricSpec("kv_offload_bytes_used", "gauge", "Bytes held by a KV tier.", ("tier",)),
         MetricSpec("kv_offload_bytes_capacity", "gauge", "Byte budget of a KV tier.", ("tier",)),
         MetricSpec("pauses", "counter", "Completed pauses (sleep included).", ("mode",)),
@@ -60,6 +68,9 @@ SPECS: dict[str, MetricSpec] = {
         MetricSpec("weight_transfer_failures", "counter", "Weight transfers that broke off mid-way.", ("backend",)),
         MetricSpec("weight_version", "gauge", "The current weight version, where it is a number."),
         MetricSpec("weight_version_info", "gauge", "1 for the current weight version, 0 for earlier ones.", ("version",)),
+        MetricSpec("engine_step_seconds", "histogram",
+                   "Wall time of one engine-core step: the longest a control call waits before it is handled.",
+                   buckets=_STEP_BUCKETS),
         MetricSpec("time_to_first_token_seconds", "histogram", "Arrival to first token."),
         MetricSpec("inter_token_latency_seconds", "histogram", "Time between consecutive output tokens."),
         MetricSpec("e2e_request_latency_seconds", "histogram", "Arrival to finish."),
@@ -131,7 +142,7 @@ class MetricsRegistry:
             elif spec.kind == "gauge":
                 m = Gauge(full, spec.help, spec.labels, registry=self.registry)
             else:
-                m = Histogram(full, spec.help, spec.labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+                m = Histogram(full, spec.help, spec.labels, buckets=spec.buckets, registry=self.registry)
             self._metrics[spec.name] = m
         self._metrics["engine_alive"].set(1.0)
 

@@ -4,8 +4,8 @@ Client threads send completions (some streamed and dropped after a few chunks, s
 up on by a short client timeout) while a controller pauses, sleeps with the tier kept, wakes
 and resumes at random; an oversized fan-out and a 50 MB body arrive meanwhile. Printed, and
 written as JSON: requests by outcome, each control call's latency, /health's latency while
-the big body travels, dropped tier stores, the gauges once quiet (nothing running, no KV
-held), and the memory of the API server and the engine core before and after.
+the big body travels, dropped tier stores by reason, the gauges once quiet (nothing running,
+no KV held), and the memory of the API server and the engine core before and after.
 
 ``python -m siesta.bench.chaos --duration 60 --json chaos.json`` (starts its own server with
 a small host tier over a disk tier), or ``--url`` for a running one started with --dev-mode.
@@ -29,6 +29,7 @@ import httpx
 
 from siesta.bench.common import median
 from siesta.client import SiestaClient
+from siesta.tiers.base import DropReason
 
 STARTUP_TIMEOUT_S = 300.0
 POLL_S = 0.25
@@ -37,6 +38,7 @@ GIVE_UP_S = 0.5  # a client that leaves before its answer
 BIG_BODY_BYTES = 50 << 20
 QUIET_TIMEOUT_S = 60.0
 CONTROL_PAUSE_S = (1.0, 3.0)  # between control calls
+DROPPED_STORES = "siesta_kv_offload_dropped_stores_total"
 PROMPTS = ["Tell me about the sea.", "Write a haiku about sleep.", "List three prime numbers.",
            "Explain why the sky is blue in one paragraph."]  # fmt: skip
 
@@ -194,16 +196,26 @@ class Chaos:
         return {"outcomes": dict(self.outcomes), "controls": controls, "bad_requests": bad}
 
 
-def _quiet(url: str) -> dict[str, float]:
+def dropped_stores_by_reason(metrics: dict[str, float]) -> dict[str, float]:
+    """Every reason a tier store can be dropped for, with its count summed over the tiers."""
+    counts = dict.fromkeys((reason.value for reason in DropReason), 0.0)
+    for key, value in metrics.items():
+        if key.startswith(DROPPED_STORES + "{"):
+            labels = dict(pair.split("=", 1) for pair in key[len(DROPPED_STORES) + 1 : -1].split(","))
+            reason = labels["reason"].strip('"')
+            counts[reason] = counts.get(reason, 0.0) + value
+    return counts
+
+
+def _quiet(url: str) -> dict[str, Any]:
     deadline = time.monotonic() + QUIET_TIMEOUT_S
     with SiestaClient(url) as c:
         while True:
             m = c.metrics()
             idle = m["siesta_num_requests_running"] == 0 and m["siesta_num_requests_waiting"] == 0
             if idle or time.monotonic() > deadline:
-                keys = ("siesta_num_requests_running", "siesta_num_requests_waiting", "siesta_kv_cache_usage_perc",
-                        "siesta_kv_offload_dropped_stores_total")  # fmt: skip
-                return {k: m.get(k, 0.0) for k in keys}
+                keys = ("siesta_num_requests_running", "siesta_num_requests_waiting", "siesta_kv_cache_usage_perc")
+                return {k: m.get(k, 0.0) for k in keys} | {"dropped_stores": dropped_stores_by_reason(m)}
             time.sleep(POLL_S)
 
 
@@ -230,6 +242,8 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
     print(json.dumps(result, indent=1))
+    counts = result["quiet"]["dropped_stores"]
+    print("dropped tier stores by reason:", ", ".join(f"{reason} {n:g}" for reason, n in counts.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

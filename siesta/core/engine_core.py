@@ -259,6 +259,7 @@ class EngineCore(OneCallUpdates):
         return self.connector is not None and not self.memory.kv_released and self.connector.has_pending_work()
 
     def step(self) -> EngineCoreOutputs:
+        t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         if self._scheduling_allowed():
             outputs.extend(self._run_one_step())
@@ -268,6 +269,8 @@ class EngineCore(OneCallUpdates):
             self.connector.wait_for_stores(self.runner.kv_cache)
         if self._pause_mode == "wait" and not self._pause_done and not self.scheduler.has_unfinished():
             self._complete_pause()
+        # What a control call arriving mid-step waits for at most (the engine-core loop answers between steps).
+        self.stats.observe("engine_step_seconds", time.perf_counter() - t0)
         return EngineCoreOutputs(outputs=outputs, stats=self.stats.drain())
 
     def _scheduling_allowed(self) -> bool:
@@ -340,6 +343,14 @@ class EngineCore(OneCallUpdates):
     def _settle(self) -> None:
         """Read back the step in flight before a control call changes what it depends on."""
         self._pending.extend(self._finish_inflight())
+
+    def close(self) -> None:
+        """Before the process exits: the tier stores still planned or in flight are finished,
+        so what the last steps computed reaches the disk tier for the next engine, instead of
+        going with the process (uncounted: no one would see the count)."""
+        self._settle()
+        if self._connector_busy():
+            self.connector.wait_for_stores(self.runner.kv_cache)
 
     def drain_stats(self) -> StatsSnapshot:
         return self.stats.drain()

@@ -173,6 +173,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         engine = EngineCore(config)
         out.send(codec.encode(Ready(info=engine_info(engine))))
         EngineCoreProc(engine, inp, out, lambda: engine_info(engine)).run()
+        engine.close()
     except Exception as e:  # tell the server why before exiting
         logger.exception("the engine core failed")
         out.send(codec.encode(Fatal(error=to_remote(e))))

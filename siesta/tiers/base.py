@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -23,6 +24,23 @@ if TYPE_CHECKING:
     from siesta.core.scheduler import SchedulerOutput
     from siesta.kv.block_pool import BlockPool
     from siesta.request import Request
+
+
+class DropReason(StrEnum):
+    """Why a tier store was not made: the ``reason`` label of ``kv_offload_dropped_stores``."""
+
+    # No room could be made: every host slot pinned by loads; or a disk entry larger than the
+    # budget, or one that only its own parent's eviction could make room for.
+    NO_SPACE = "no_space"
+    # Not written to the disk tier, which does not hold the entry before it (evicted, damaged,
+    # or never written): no lookup could reach it there. It stays in the host tier.
+    PARENT_MISSING = "parent_missing"
+    # The disk tier could not write the file (the entry stays in the host tier).
+    IO_ERROR = "io_error"
+    # Planned, then cancelled: the weights that computed it were replaced (finish_weight_update).
+    VERSION_STALE = "version_stale"
+    # Planned, then cancelled: the tier was cleared (clear_connector_cache, reset_external).
+    CACHE_RESET = "cache_reset"
 
 
 @dataclass
@@ -37,6 +55,10 @@ class ConnectorContext:
     weight_version: str
     stats: EngineStats
     pool: BlockPool  # device blocks: stores hold a reference until their copy is done
+
+    def count_dropped_stores(self, tier: str, reason: DropReason, count: int = 1) -> None:
+        """Stores not made into ``tier`` (the tier the store was for), and why."""
+        self.stats.inc("kv_offload_dropped_stores", count, tier=tier, reason=reason.value)
 
     @property
     def block_bytes(self) -> int:

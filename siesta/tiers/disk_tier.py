@@ -5,21 +5,28 @@ model survive an engine restart (their keys are stable) and other models'
 entries never mix in. A file is written to a temporary name, flushed to disk
 and renamed, so a crash leaves either no entry or a whole one; a checksum in
 its header catches anything else, and such a file is deleted, not served.
+
+Each header names the entry's parent, so the chains survive a restart too. The tier
+keeps only what a lookup can reach: it evicts chain ends first (``chains``), and it
+refuses an entry whose parent it does not hold, or could only make room for by
+evicting that parent: such an entry would be unreachable the moment it landed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import struct
 import threading
 import zlib
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 from siesta.kv.hashing import BlockHash
+from siesta.tiers.base import DropReason
+from siesta.tiers.chains import ChainIndex
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +41,15 @@ class DiskEntry:
     path: Path
     version: str
     nbytes: int  # file size, header included
+    parent: BlockHash | None = None  # the entry before it in its chain; None: the chain's first
+
+
+@dataclass(frozen=True)
+class DiskWrite:
+    """What a write did: ``nbytes`` written (0: nothing), ``dropped`` why not when it had to be."""
+
+    nbytes: int
+    dropped: DropReason | None = None
 
 
 class DiskTier:
@@ -43,7 +59,7 @@ class DiskTier:
         self.capacity = capacity_bytes
         self.entry_bytes = entry_bytes
         self._lock = threading.Lock()
-        self._index: OrderedDict[BlockHash, DiskEntry] = OrderedDict()
+        self._index: ChainIndex[DiskEntry] = ChainIndex()
         self.bytes_used = 0
         self.evictions = 0
         self._scan()
@@ -60,18 +76,27 @@ class DiskTier:
             if header is None or path.stat().st_size != header["file_bytes"]:
                 path.unlink(missing_ok=True)
                 continue
-            self._add(bytes.fromhex(header["key"]), DiskEntry(path, header["version"], header["file_bytes"]))
-        self._evict_to_fit(0)
+            key = bytes.fromhex(header["key"])
+            if key in self._index:  # a second file of one key (copied by hand): kept once
+                path.unlink(missing_ok=True)
+                continue
+            parent = header.get("parent")  # absent from files written before chains were kept
+            parent_key = None if parent is None else bytes.fromhex(parent)
+            self._add(key, DiskEntry(path, header["version"], header["file_bytes"], parent_key))
+        self._evict_to_fit(0, parent=None)
 
     def _add(self, key: BlockHash, entry: DiskEntry) -> None:
-        self._index[key] = entry
+        self._index.add(key, entry)
         self.bytes_used += entry.nbytes
 
     def _remove(self, key: BlockHash) -> None:
-        entry = self._index.pop(key, None)
+        entry = self._index.pop(key)
         if entry is not None:
-            self.bytes_used -= entry.nbytes
-            entry.path.unlink(missing_ok=True)
+            self._delete(entry)
+
+    def _delete(self, entry: DiskEntry) -> None:
+        self.bytes_used -= entry.nbytes
+        entry.path.unlink(missing_ok=True)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -82,37 +107,43 @@ class DiskTier:
 
     # -- data --------------------------------------------------------------------------
 
-    def write(self, key: BlockHash, version: str, data: memoryview) -> int:
-        """Store an entry (bytes written, 0 if it cannot fit); safe from a background thread."""
-        header = self._header(key, version, data)
+    def write(self, key: BlockHash, version: str, data: memoryview, parent: BlockHash | None = None) -> DiskWrite:
+        """Store an entry that follows ``parent`` in its chain; safe from a background thread.
+        Nothing is written when the key is already here, or (``dropped`` says why) when its
+        parent is not, no room can be made or the file cannot be written."""
+        header = self._header(key, version, parent, data)
         total = len(header) + len(data)
         if total > self.capacity:
-            return 0
+            return DiskWrite(0, DropReason.NO_SPACE)
         final = self.dir / f"{key.hex()}{SUFFIX}"
         tmp = final.with_name(final.name + f".{threading.get_ident()}{TMP_SUFFIX}")
         with self._lock:
             if key in self._index:
-                return 0
-            self._evict_to_fit(total)
+                return DiskWrite(0)
+            if parent is not None and parent not in self._index:
+                return DiskWrite(0, DropReason.PARENT_MISSING)
+            if not self._evict_to_fit(total, parent):
+                return DiskWrite(0, DropReason.NO_SPACE)
             # Count the bytes before they land, so concurrent writers never overshoot the budget.
             self.bytes_used += total
         try:
-            with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
+            _write_file(tmp, final, header, data)
         except OSError:
             logger.exception("disk tier: writing %s failed", final)
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the directory itself may be what broke
+                tmp.unlink(missing_ok=True)
             with self._lock:
                 self.bytes_used -= total
-            return 0
+            return DiskWrite(0, DropReason.IO_ERROR)
         with self._lock:
             self.bytes_used -= total
-            self._add(key, DiskEntry(final, version, total))
-        return total
+            if key in self._index:  # another writer's file of the same key, the same bytes
+                return DiskWrite(0)
+            if parent is not None and parent not in self._index:  # gone meanwhile: evicted, or found damaged
+                final.unlink(missing_ok=True)
+                return DiskWrite(0, DropReason.PARENT_MISSING)
+            self._add(key, DiskEntry(final, version, total, parent))
+        return DiskWrite(total)
 
     def read(self, key: BlockHash) -> bytes | None:
         """The entry's data if it is whole and unchanged; a damaged entry is deleted and missed."""
@@ -120,7 +151,7 @@ class DiskTier:
             entry = self._index.get(key)
             if entry is None:
                 return None
-            self._index.move_to_end(key)
+            self._index.touch(key)
         try:
             raw = entry.path.read_bytes()
         except OSError:
@@ -140,16 +171,32 @@ class DiskTier:
             self.evictions += len(doomed)
         return len(doomed)
 
-    def _evict_to_fit(self, incoming: int) -> None:
-        while self._index and self.bytes_used + incoming > self.capacity:
-            key = next(iter(self._index))
-            self._remove(key)
+    def _evict_to_fit(self, incoming: int, parent: BlockHash | None) -> bool:
+        """Evict chain ends, least recently used first, until ``incoming`` bytes fit; never
+        ``parent``, the entry the incoming one follows. False if that leaves too little room."""
+        while self.bytes_used + incoming > self.capacity:
+            victim = self._index.evict_end(lambda key, entry: key != parent)
+            if victim is None:
+                return False
+            self._delete(victim[1])
             self.evictions += 1
+        return True
 
-    def _header(self, key: BlockHash, version: str, data: memoryview) -> bytes:
-        meta = {"key": key.hex(), "version": version, "data_bytes": len(data), "crc32": zlib.crc32(data)}
+    def _header(self, key: BlockHash, version: str, parent: BlockHash | None, data: memoryview) -> bytes:
+        meta = {"key": key.hex(), "version": version, "parent": None if parent is None else parent.hex(),
+                "data_bytes": len(data), "crc32": zlib.crc32(data)}  # fmt: skip
         body = json.dumps(meta, sort_keys=True).encode()
         return MAGIC + _HEADER_LEN.pack(len(body)) + body
+
+
+def _write_file(tmp: Path, final: Path, header: bytes, data: memoryview) -> None:
+    """Written whole under a temporary name, on the disk, then renamed: all or nothing."""
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
 
 
 def _parse(raw: bytes) -> tuple[dict, int] | None:

@@ -2,17 +2,18 @@
 
 An entry holds one tier block: ``blocks_per_entry`` consecutive device blocks,
 laid out exactly as on the device, so each device block moves in one copy.
-Entries being written, or pinned by a load or a disk write, are never evicted.
+Entries being written, or pinned by a load or a disk write, are never evicted, and chain
+ends go before the entries they follow (``chains``), so what the tier keeps stays reachable.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from siesta.kv.hashing import BlockHash
+from siesta.tiers.chains import ChainIndex
 
 
 @dataclass
@@ -22,7 +23,6 @@ class HostEntry:
     ready: bool = False  # False while its data is being copied in
     pins: int = 0
     parent: BlockHash | None = None  # the entry before it in its chain (None: the chain's first)
-    children: int = 0  # entries here whose parent it is
 
 
 class HostTier:
@@ -33,7 +33,7 @@ class HostTier:
             raise ValueError(f"cpu_bytes_to_use={capacity_bytes} holds no entry of {entry_bytes} bytes")
         self.entry_bytes = entry_bytes
         self.buffer = torch.empty((self.capacity, *entry_shape), dtype=dtype, pin_memory=pin_memory)
-        self._index: OrderedDict[BlockHash, HostEntry] = OrderedDict()
+        self._index: ChainIndex[HostEntry] = ChainIndex()
         self._free_slots = list(range(self.capacity - 1, -1, -1))
         self.evictions = 0
 
@@ -49,7 +49,7 @@ class HostTier:
         entry = self._index.get(key)
         if entry is None or not entry.ready:
             return None
-        self._index.move_to_end(key)
+        self._index.touch(key)
         return entry
 
     def contains(self, key: BlockHash) -> bool:
@@ -61,9 +61,7 @@ class HostTier:
         if not self._free_slots and not self._evict_one():
             return None
         entry = HostEntry(self._free_slots.pop(), version, parent=parent)
-        self._index[key] = entry
-        if parent in self._index:
-            self._index[parent].children += 1
+        self._index.add(key, entry)
         return entry
 
     def commit(self, key: BlockHash) -> None:
@@ -78,11 +76,9 @@ class HostTier:
             entry.pins -= 1
 
     def drop(self, key: BlockHash) -> None:
-        entry = self._index.pop(key, None)
+        entry = self._index.pop(key)
         if entry is not None:
             self._free_slots.append(entry.slot)
-            if entry.parent in self._index:
-                self._index[entry.parent].children -= 1
 
     def evict_where(self, predicate) -> int:
         """Drop unpinned ready entries matching ``predicate(key, entry)``; returns how many."""
@@ -96,12 +92,16 @@ class HostTier:
         return self.buffer[entry.slot]
 
     def _evict_one(self) -> bool:
-        """The least recently used chain end: a lookup stops at the first missing entry, so an
-        entry evicted before the ones after it would strand them. Any entry if no end is free."""
-        for leaves_only in (True, False):
-            for key, entry in self._index.items():  # least recently used first
-                if entry.ready and entry.pins == 0 and not (leaves_only and entry.children):
-                    self.drop(key)
-                    self.evictions += 1
-                    return True
-        return False
+        """The least recently used chain end; any entry if every end is pinned or being written
+        (a store is not dropped for a chain's sake: with a disk tier below, the rest of the
+        chain is still found there)."""
+        victim = self._index.evict_end(_evictable) or self._index.evict_any(_evictable)
+        if victim is None:
+            return False
+        self._free_slots.append(victim[1].slot)
+        self.evictions += 1
+        return True
+
+
+def _evictable(key: BlockHash, entry: HostEntry) -> bool:
+    return entry.ready and entry.pins == 0

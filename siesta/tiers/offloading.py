@@ -20,9 +20,9 @@ from siesta.attention.base import KVCache
 from siesta.kv.block_pool import Block
 from siesta.kv.hashing import BlockHash, extend_block_hashes
 from siesta.request import Request
-from siesta.tiers.base import ConnectorContext, KVConnector, StepTransfers
+from siesta.tiers.base import ConnectorContext, DropReason, KVConnector, StepTransfers
 from siesta.tiers.copy_feeder import CopyFeeder
-from siesta.tiers.disk_tier import DiskTier
+from siesta.tiers.disk_tier import DiskTier, DiskWrite
 from siesta.tiers.host_tier import HostEntry, HostTier
 from siesta.tiers.transfer import BlockCopier
 
@@ -143,7 +143,7 @@ class OffloadingConnector(KVConnector):
         self._inflight_stores = 0  # handed to the feeder, not landed yet
         self._loading: dict[str, LoadJob] = {}  # handed to the feeder, not landed yet
         self._landed: list[str] = []  # requests whose loads finished, for the scheduler to pick up
-        self._disk_writes: list[tuple[BlockHash, Future[int]]] = []
+        self._disk_writes: list[tuple[BlockHash, Future[DiskWrite]]] = []
         self._evictions_seen = {"host": 0, "disk": self.disk.evictions if self.disk is not None else 0}
         self._record_usage()
 
@@ -177,8 +177,8 @@ class OffloadingConnector(KVConnector):
 
     def _promote_from_disk(self, key: BlockHash, parent: BlockHash | None) -> HostEntry | None:
         """Read a disk entry into a host slot; None if absent, damaged or no slot is free."""
-        if self.disk is None or not self.disk.contains(key):
-            return None
+        if self.disk is None or self.host.contains(key) or not self.disk.contains(key):
+            return None  # a host entry not ready yet: a store of it is on its way in
         data = self.disk.read(key)
         if data is None:
             return None
@@ -261,7 +261,7 @@ class OffloadingConnector(KVConnector):
             after = self.stores.compute_mark()
         for job in transfers.stores:
             job.entry = self._reserve(job)
-            if job.entry is None:  # every slot pinned by loads and stores in flight: counted
+            if job.entry is None:  # every slot pinned by loads: counted as dropped
                 self._finish_store(job, stored=False)
                 continue
             parts = [(self.host.data(job.entry), [b.block_id for b in job.blocks])]
@@ -327,14 +327,15 @@ class OffloadingConnector(KVConnector):
         self.ctx.pool.free(job.blocks)
         self._store_keys.discard(job.key)
         if not stored:
-            self.ctx.stats.inc("kv_offload_dropped_stores")
+            self.ctx.count_dropped_stores("host", DropReason.NO_SPACE)
             return
         self.host.commit(job.key)
         self.ctx.stats.inc("kv_offload_store_bytes", self.host.entry_bytes, tier="host")
         if self.disk is not None and not self.disk.contains(job.key):
             self.host.pin(job.key)  # the writer reads the slot; it must not be reused meanwhile
             data = memoryview(self.host.data(job.entry).view(-1).view(torch.uint8).numpy())
-            self._disk_writes.append((job.key, self._writer.submit(self.disk.write, job.key, job.version, data)))
+            write = self._writer.submit(self.disk.write, job.key, job.version, data, job.parent)
+            self._disk_writes.append((job.key, write))
 
     def _retire_disk_writes(self, block: bool) -> None:
         still = []
@@ -345,10 +346,12 @@ class OffloadingConnector(KVConnector):
                 still.append((key, future))
         self._disk_writes = still
 
-    def _retire_disk_write(self, key: BlockHash, future: Future[int]) -> None:
+    def _retire_disk_write(self, key: BlockHash, future: Future[DiskWrite]) -> None:
         written = future.result()
         self.host.unpin(key)
-        self.ctx.stats.inc("kv_offload_store_bytes", written, tier="disk")
+        if written.dropped is not None:
+            self.ctx.count_dropped_stores("disk", written.dropped)
+        self.ctx.stats.inc("kv_offload_store_bytes", written.nbytes, tier="disk")
 
     def wait_for_stores(self, kv_cache: KVCache) -> None:
         planned, self._planned = self._planned, []
@@ -361,12 +364,12 @@ class OffloadingConnector(KVConnector):
     # -- control -------------------------------------------------------------------------
 
     def reset_cache(self) -> None:
-        self._drop_where(lambda key, version: True)
+        self._drop_where(lambda key, version: True, DropReason.CACHE_RESET)
 
     def evict_other_versions(self, keep_version: str) -> None:
-        self._drop_where(lambda key, version: version != keep_version)
+        self._drop_where(lambda key, version: version != keep_version, DropReason.VERSION_STALE)
 
-    def _drop_where(self, predicate) -> None:
+    def _drop_where(self, predicate, reason: DropReason) -> None:
         # Stores not yet issued would bring dropped entries back: cancel those too.
         keep = []
         for job in self._planned:
@@ -375,6 +378,7 @@ class OffloadingConnector(KVConnector):
                 self._store_keys.discard(job.key)
             else:
                 keep.append(job)
+        self.ctx.count_dropped_stores("host", reason, len(self._planned) - len(keep))
         self._planned = keep
         self.stores.drain()
         self.poll()

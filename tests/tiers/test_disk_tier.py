@@ -1,10 +1,12 @@
 import os
+import shutil
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from siesta.tiers.disk_tier import SUFFIX, DiskTier
+from siesta.tiers.base import DropReason
+from siesta.tiers.disk_tier import SUFFIX, DiskTier, DiskWrite
 
 ENTRY = 1000
 
@@ -19,7 +21,7 @@ def files_bytes(tier: DiskTier) -> int:
 
 def test_round_trip_and_restart_reuses(tmp_path):
     t = DiskTier(tmp_path, "model-a", 10 * ENTRY, ENTRY)
-    assert t.write(b"k1", "0", payload(1)) > ENTRY
+    assert t.write(b"k1", "0", payload(1)).nbytes > ENTRY
     assert t.read(b"k1") == bytes(payload(1))
     again = DiskTier(tmp_path, "model-a", 10 * ENTRY, ENTRY)
     assert again.read(b"k1") == bytes(payload(1))
@@ -80,7 +82,7 @@ def test_budget_never_exceeded_under_random_workloads(tmp_path_factory, ops, cap
     for op, i in ops:
         key = bytes([i])
         if op == "write":
-            if t.write(key, str(i % 2), payload(i)):
+            if t.write(key, str(i % 2), payload(i)).nbytes:
                 written[key] = bytes(payload(i))
         elif op == "read":
             data = t.read(key)
@@ -91,3 +93,93 @@ def test_budget_never_exceeded_under_random_workloads(tmp_path_factory, ops, cap
             t = DiskTier(root, "m", cap, ENTRY)
         assert files_bytes(t) <= cap
         assert t.bytes_used == files_bytes(t)
+
+
+# -- chains: what the tier keeps stays reachable -------------------------------------------
+
+
+def entries_fitting(root, n: int) -> int:
+    """A budget of exactly ``n`` entries' files (headers included)."""
+    probe = DiskTier(root / "probe", "m", 1 << 20, ENTRY)
+    size = probe.write(b"\x00" * 16, "0", payload(0), parent=None).nbytes
+    return n * size + size // 2
+
+
+def chain_keys(chain: int, length: int) -> list[bytes]:
+    return [bytes([chain, i]) * 8 for i in range(length)]  # 16 bytes, as real keys
+
+
+def reachable(t: DiskTier, keys: list[bytes]) -> list[bytes]:
+    """What a lookup finds: the chain's entries from its start up to the first missing one."""
+    found = []
+    for k in keys:
+        if not t.contains(k):
+            break
+        found.append(k)
+    return found
+
+
+CHAINS = st.lists(st.integers(1, 7), min_size=2, max_size=6)  # chain lengths
+SCHEDULE = st.lists(st.tuples(st.sampled_from(["write", "write", "write", "read", "restart"]), st.integers(0, 5)),
+                    max_size=60)  # fmt: skip
+
+
+@settings(max_examples=40, deadline=None)
+@given(CHAINS, SCHEDULE, st.integers(2, 6))
+def test_every_kept_entry_is_reachable_and_the_evicted_are_chain_tails(tmp_path_factory, lengths, schedule, room):
+    """Chains written a block at a time, interleaved, read back and the tier restarted, into
+    a tier of ``room`` entries: checked after every step against a brute-force oracle."""
+    root = tmp_path_factory.mktemp("disk")
+    cap = entries_fitting(root, room)
+    t = DiskTier(root, "m", cap, ENTRY)
+    chains = [chain_keys(c, n) for c, n in enumerate(lengths)]
+    written = [0] * len(chains)  # blocks of each chain offered to the tier so far
+    for op, i in schedule:
+        c = i % len(chains)
+        keys = chains[c]
+        if op == "write" and written[c] < len(keys):
+            j = written[c]
+            t.write(keys[j], "0", payload(j), parent=keys[j - 1] if j else None)
+            written[c] += 1
+        elif op == "read":
+            for k in reachable(t, keys):  # as a lookup reads: from the start
+                assert t.read(k) is not None
+        elif op == "restart":
+            t = DiskTier(root, "m", cap, ENTRY)
+        stored = [k for keys in chains for k in keys if t.contains(k)]
+        assert len(stored) == len(t) <= room
+        assert sorted(stored) == sorted(k for keys in chains for k in reachable(t, keys))
+        for keys, n in zip(chains, written, strict=True):
+            kept = len(reachable(t, keys))
+            assert not any(t.contains(k) for k in keys[kept:n])  # what went is the chain's tail
+
+
+def test_a_chain_longer_than_the_tier_keeps_its_start(tmp_path):
+    """Making room for a chain's next entry by evicting the one before it would strand the new
+    one: the start of the chain is kept and the rest refused as no_space (then parent_missing)."""
+    t = DiskTier(tmp_path, "m", entries_fitting(tmp_path, 3), ENTRY)
+    keys = chain_keys(0, 5)
+    results = [t.write(k, "0", payload(j), parent=keys[j - 1] if j else None) for j, k in enumerate(keys)]
+    assert [r.dropped for r in results] == [None, None, None, DropReason.NO_SPACE, DropReason.PARENT_MISSING]
+    assert reachable(t, keys) == keys[:3] and len(t) == 3 and t.evictions == 0
+    # Another chain's entry then takes the room of this chain's end, not of its start.
+    assert t.write(b"\x09" * 16, "0", payload(9)).dropped is None
+    assert reachable(t, keys) == keys[:2] and t.evictions == 1
+
+
+def test_an_entry_larger_than_the_budget_is_refused_as_no_space(tmp_path):
+    t = DiskTier(tmp_path, "m", ENTRY // 2, ENTRY)
+    assert t.write(b"k1", "0", payload(1)) == DiskWrite(0, DropReason.NO_SPACE)
+    assert len(t) == 0 and t.bytes_used == 0
+
+
+def test_a_directory_that_cannot_be_written_is_an_io_error(tmp_path):
+    t = DiskTier(tmp_path, "m", 10 * ENTRY, ENTRY)
+    assert t.write(b"k1", "0", payload(1)).dropped is None
+    used = t.bytes_used
+    # A file where the directory was: no one can create files in it, root included (a chmod
+    # would not stop root, which runs these tests in some containers).
+    shutil.rmtree(t.dir)
+    t.dir.write_bytes(b"")
+    assert t.write(b"k2", "0", payload(2)) == DiskWrite(0, DropReason.IO_ERROR)
+    assert t.bytes_used == used and not t.contains(b"k2")  # the budget is not leaked

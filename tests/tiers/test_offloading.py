@@ -6,13 +6,18 @@ engine's uninterrupted runs (itself checked against transformers elsewhere).
 
 from __future__ import annotations
 
+import functools
 import random
+import shutil
 
 import pytest
 
 from siesta import LLM, SamplingParams
 from siesta.core.engine_core import ConnectorRetentionError
+from siesta.kv.hashing import extend_block_hashes
+from siesta.tiers.base import DropReason
 from siesta.tiers.copy_feeder import CopyFeeder
+from siesta.tiers.disk_tier import DiskTier
 
 BLOCK = 16
 TIER_BLOCK = 32
@@ -37,6 +42,7 @@ def prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
+SHORT = SamplingParams(temperature=0, max_tokens=2)  # where the prompts' KV is all that matters
 
 
 def generate(llm: LLM, ps: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -55,6 +61,20 @@ HITS = "siesta_external_prefix_cache_hits_total"
 QUERIES = "siesta_external_prefix_cache_queries_total"
 LOADS = 'siesta_kv_offload_load_bytes_total{tier="host"}'
 STORES = 'siesta_kv_offload_store_bytes_total{tier="host"}'
+DISK_LOADS = 'siesta_kv_offload_load_bytes_total{tier="disk"}'
+
+
+DROPPED = "siesta_kv_offload_dropped_stores_total"
+
+
+def dropped(metrics: dict[str, float]) -> dict[tuple[str, str], float]:
+    """(tier, reason) -> stores dropped, for every label pair that counted any."""
+    out = {}
+    for key, value in metrics.items():
+        if key.startswith(DROPPED + "{") and value:
+            labels = dict(part.split("=") for part in key[len(DROPPED) + 1 : -1].split(","))
+            out[(labels["tier"].strip('"'), labels["reason"].strip('"'))] = value
+    return out
 
 
 def full_blocks_before_last_token(ps: list[list[int]]) -> int:
@@ -506,8 +526,6 @@ def test_a_small_host_tier_over_a_disk_tier_drops_no_store(tmp_path, monkeypatch
     379 of 756 stores dropped with a 64 MiB host tier over a disk tier)."""
     import time
 
-    from siesta.tiers.disk_tier import DiskTier
-
     probe = engine(offload())
     entry_bytes = probe.engine.connector.host.entry_bytes
     del probe
@@ -524,7 +542,7 @@ def test_a_small_host_tier_over_a_disk_tier_drops_no_store(tmp_path, monkeypatch
     ref = generate(llm, ps)
     llm.engine.connector.wait_for_stores(llm.engine.runner.kv_cache)
     c1 = counters(llm)
-    assert c1.get("siesta_kv_offload_dropped_stores_total", 0) == 0
+    assert dropped(c1) == {}
     assert c1['siesta_kv_offload_store_bytes_total{tier="disk"}'] > 0
     llm.reset_prefix_cache()  # the device cache forgets: only the tiers remember
     assert [generate(llm, [p])[0] for p in ps] == ref  # one at a time: each one's loads fit the host tier
@@ -564,3 +582,181 @@ def test_a_full_host_tier_keeps_what_it_holds_reachable():
     assert host.evictions > 0 and len(host) == 12
     stranded = [k for k, e in host._index.items() if e.parent is not None and not host.contains(e.parent)]
     assert not stranded
+
+
+# -- a small host tier over a small disk tier ----------------------------------------------
+
+
+@functools.cache
+def entry_bytes() -> int:
+    """Bytes of one tier entry (TIER_BLOCK tokens of every layer's K and V) of MODEL."""
+    return engine(offload()).engine.connector.host.entry_bytes
+
+
+def disk_file_bytes(root) -> int:
+    """The size of one entry's file on a disk tier, its header included."""
+    parent, key = bytes(16), bytes([1]) * 16  # as long as real keys
+    probe = DiskTier(root, "probe", 1 << 30, entry_bytes())
+    data = memoryview(bytes(entry_bytes()))
+    probe.write(parent, "0", data)
+    return probe.write(key, "0", data, parent=parent).nbytes
+
+
+def tier_keys(llm: LLM, p: list[int]) -> list[bytes]:
+    """The tier keys of the prompt's full tier blocks, in chain order."""
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, p, BLOCK, llm.engine._hash_extra(None))
+    k = TIER_BLOCK // BLOCK
+    return [hashes[(j + 1) * k - 1] for j in range(len(hashes) // k)]
+
+
+def tier_reachable_tokens(llm: LLM, p: list[int]) -> int:
+    """Brute force over what the tiers hold: the tokens a lookup of ``p`` can find, from its
+    first entry up to the first one neither tier holds (the last token is always computed)."""
+    connector = llm.engine.connector
+    found = 0
+    for key in tier_keys(llm, p):
+        if not (connector.host.contains(key) or connector.disk.contains(key)):
+            break
+        found += 1
+    return min(found * TIER_BLOCK, (len(p) - 1) // BLOCK * BLOCK)
+
+
+def test_more_prefixes_than_a_small_disk_tier_holds_are_found_again_where_kept(tmp_path):
+    """Four prompts (18 entries) through 6 host slots onto a disk of 10 entries: the disk
+    evicts chain ends to make room, so no store is dropped, every entry it keeps is reachable
+    from its chain's start, and each prompt then loads exactly what the tiers kept of it:
+    from the host tier, from the disk, a whole chain or a prefix of one."""
+    host_room, disk_room = 6, 10
+    file_bytes = disk_file_bytes(tmp_path / "probe")
+    disk_bytes = disk_room * file_bytes + file_bytes // 2  # not one more: headers differ by a few bytes
+    cfg = offload(cpu_bytes_to_use=host_room * entry_bytes(), disk_path=str(tmp_path / "tier"),
+                  disk_bytes_to_use=disk_bytes)  # fmt: skip
+    llm = engine(cfg)
+    connector = llm.engine.connector
+    ps = [p[: TIER_BLOCK * (3 + i) + 8] for i, p in enumerate(prompts(4))]
+    ref = generate(llm, ps, SHORT)
+    connector.wait_for_stores(llm.engine.runner.kv_cache)
+    assert dropped(counters(llm)) == {}
+    assert connector.disk.evictions > 0 and len(connector.disk) == disk_room  # more than fit, and full
+    found = []
+    # Newest first: the oldest chains went first, and each replay stores what it computes again.
+    for p, out in reversed(list(zip(ps, ref, strict=True))):
+        disk = connector.disk._index
+        assert all(e.parent is None or e.parent in disk for e in disk.values())  # nothing stranded
+        llm.reset_prefix_cache()  # only the tiers remember
+        expected = tier_reachable_tokens(llm, p)
+        c0 = counters(llm)
+        assert generate(llm, [p], SHORT) == [out]
+        c1 = counters(llm)
+        assert delta(c1, c0, HITS) == expected
+        found.append((expected, (len(p) - 1) // BLOCK * BLOCK, delta(c1, c0, DISK_LOADS)))
+        connector.wait_for_stores(llm.engine.runner.kv_cache)  # its disk writes land before the next lookup
+    assert dropped(counters(llm)) == {}
+    assert any(0 < hit < whole for hit, whole, _ in found)  # a chain whose tail went, its start kept
+    assert any(hit and from_disk for hit, _, from_disk in found)  # and found on the disk
+
+
+# -- dropped stores, counted by tier and reason ---------------------------------------------
+
+
+def test_stores_into_a_host_tier_pinned_by_loads_are_dropped_as_no_space():
+    """A's entries fill the host tier; A loading them pins every slot in the step that issues
+    B's stores, so B's have nowhere to go."""
+    a, b = prompts(2, seed=5)
+    llm = engine(offload(cpu_bytes_to_use=len(a) // TIER_BLOCK * entry_bytes()))
+    generate(llm, [a])
+    llm.reset_prefix_cache()
+    llm.add_request({"prompt_token_ids": b}, GREEDY)
+    llm.step()  # B's prefill: its full entries are planned, to be issued in the next step
+    llm.add_request({"prompt_token_ids": a}, GREEDY)
+    llm.step()  # A's lookup pins every slot, then B's stores are issued
+    assert dropped(counters(llm)) == {("host", "no_space"): len(b) // TIER_BLOCK}
+
+
+@pytest.fixture(scope="module")
+def one_entry_disk(tmp_path_factory):
+    """A prompt of several entries into a disk tier with room for one: its first entry lands;
+    its second could only land by evicting the first (it would be stranded); the rest follow
+    an entry the disk does not hold."""
+    disk = tmp_path_factory.mktemp("one-entry-disk")
+    file_bytes = disk_file_bytes(disk / "probe")
+    llm = engine(offload(disk_path=str(disk / "tier"), disk_bytes_to_use=file_bytes + file_bytes // 2))
+    p = prompts(1)[0]
+    generate(llm, [p])
+    llm.engine.connector.wait_for_stores(llm.engine.runner.kv_cache)
+    return llm, len(p) // TIER_BLOCK
+
+
+def test_a_disk_entry_that_would_evict_its_own_parent_is_dropped_as_no_space(one_entry_disk):
+    llm, _ = one_entry_disk
+    assert dropped(counters(llm)).get(("disk", "no_space")) == 1
+    assert len(llm.engine.connector.disk) == 1 and llm.engine.connector.disk.evictions == 0
+
+
+def test_a_disk_entry_whose_parent_the_disk_lacks_is_dropped_as_parent_missing(one_entry_disk):
+    llm, entries = one_entry_disk
+    assert dropped(counters(llm)).get(("disk", "parent_missing")) == entries - 2
+    assert counters(llm)[STORES] == entries * entry_bytes()  # the host tier took them all
+
+
+def test_a_disk_tier_whose_directory_breaks_drops_its_stores_as_io_error(tmp_path):
+    """Each chain's first write fails; the disk then holds no parent for the rest of it."""
+    llm = engine(offload(disk_path=str(tmp_path), disk_bytes_to_use=1 << 26))
+    disk_dir = llm.engine.connector.disk.dir
+    # A file where the directory was: nothing can be created in it, even by root (whom a
+    # chmod would not stop).
+    shutil.rmtree(disk_dir)
+    disk_dir.write_bytes(b"")
+    ps = prompts(2)
+    generate(llm, ps)
+    llm.engine.connector.wait_for_stores(llm.engine.runner.kv_cache)
+    entries = sum(len(p) // TIER_BLOCK for p in ps)
+    assert dropped(counters(llm)) == {("disk", "io_error"): len(ps), ("disk", "parent_missing"): entries - len(ps)}
+    assert counters(llm)[STORES] == entries * entry_bytes()  # still in host memory
+
+
+def _planned_then(control) -> dict[tuple[str, str], float]:
+    """Prefill one prompt (its full entries are planned, issued next step), then ``control``."""
+    llm = engine(offload())
+    p = prompts(1)[0]
+    llm.add_request({"prompt_token_ids": p}, GREEDY)
+    llm.step()
+    assert len(llm.engine.connector._planned) == len(p) // TIER_BLOCK
+    control(llm)
+    assert counters(llm).get(STORES, 0) == 0
+    return dropped(counters(llm))
+
+
+def test_planned_stores_cancelled_by_a_tier_reset_are_dropped_as_cache_reset():
+    got = _planned_then(lambda llm: llm.reset_prefix_cache(reset_connector=True))
+    assert got == {("host", "cache_reset"): len(prompts(1)[0]) // TIER_BLOCK}
+
+
+def test_planned_stores_of_replaced_weights_are_dropped_as_version_stale():
+    def new_weights(llm: LLM) -> None:
+        llm.update_weights(list(llm.engine.source.iter_weights(llm.engine.runner.dtype)))
+        llm.finish_weight_update()
+
+    got = _planned_then(new_weights)
+    assert got == {("host", "version_stale"): len(prompts(1)[0]) // TIER_BLOCK}
+
+
+def test_the_dropped_stores_help_names_every_reason():
+    from siesta.metrics import SPECS
+
+    assert all(reason.value in SPECS["kv_offload_dropped_stores"].help for reason in DropReason)
+
+
+def test_closing_the_engine_finishes_its_stores_onto_the_disk(tmp_path):
+    """The stores the last step planned would go with the process (no one left to count them):
+    the engine core closes the engine before it exits, which lands them on the disk."""
+    llm = engine(offload(disk_path=str(tmp_path), disk_bytes_to_use=1 << 26))
+    disk = llm.engine.connector.disk
+    p = prompts(1)[0]
+    llm.add_request({"prompt_token_ids": p}, GREEDY)
+    llm.step()  # the prefill: its entries are planned, not yet stored
+    assert len(disk) == 0
+    llm.engine.close()
+    assert len(disk) == len(p) // TIER_BLOCK == len(list(disk.dir.glob("*.kv")))
+    assert dropped(counters(llm)) == {}
