@@ -41,6 +41,9 @@ CONTROL_PAUSE_S = (1.0, 3.0)  # between control calls
 DROPPED_STORES = "siesta_kv_offload_dropped_stores_total"
 PROMPTS = ["Tell me about the sea.", "Write a haiku about sleep.", "List three prime numbers.",
            "Explain why the sky is blue in one paragraph."]  # fmt: skip
+# --token-prompts (a model without a tokenizer, as the random shapes on a GPU): prompts of ids.
+TOKEN_PROMPT_LENGTHS = (16, 40, 90, 200)
+FIRST_PROMPT_ID = 100
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -106,6 +109,9 @@ class Chaos:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.rng = random.Random(args.seed)
+        self.prompts: list[Any] = list(PROMPTS)
+        if args.token_prompts:
+            self.prompts = [list(range(FIRST_PROMPT_ID, FIRST_PROMPT_ID + n)) for n in TOKEN_PROMPT_LENGTHS]
 
     def _count(self, outcome: str) -> None:
         with self.lock:
@@ -114,7 +120,7 @@ class Chaos:
     def client(self, index: int) -> None:
         rng = random.Random(self.args.seed * 1000 + index)
         while not self.stop.is_set():
-            body = {"prompt": rng.choice(PROMPTS), "max_tokens": rng.choice([8, 32, 128]), "temperature": 0}
+            body = {"prompt": rng.choice(self.prompts), "max_tokens": rng.choice([8, 32, 128]), "temperature": 0}
             kind = rng.choice(["whole", "whole", "stream_dropped", "gives_up"])
             try:
                 if kind == "stream_dropped":
@@ -228,6 +234,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--host-tier-bytes", type=int, default=64 << 20)
     ap.add_argument("--disk-tier-bytes", type=int, default=2 << 30)
+    ap.add_argument("--token-prompts", action="store_true", help="send token ids (a model without a tokenizer)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     proc, url = (None, args.url) if args.url else _start_server(args)
