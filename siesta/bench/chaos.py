@@ -198,7 +198,8 @@ class Chaos:
         self.stop.set()
         for t in threads:
             t.join(CLIENT_TIMEOUT_S)
-        controls = {n: {"calls": len(v), "p50_s": median(v), "max_s": max(v)} for n, v in self.controls.items()}
+        controls = {n: {"calls": len(v), "p50_s": median(v), "max_s": max(v), "each_s": [round(x, 4) for x in v]}
+                    for n, v in self.controls.items()}  # fmt: skip
         return {"outcomes": dict(self.outcomes), "controls": controls, "bad_requests": bad}
 
 
