@@ -3,6 +3,7 @@ output tokens each version sampled (prime-rl's flow: pause keep, update, resume)
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -21,20 +22,39 @@ def test_a_request_across_a_weight_update_reports_both_versions(dev_server):
         thread = threading.Thread(
             target=lambda: box.update(r=httpx.post(f"{dev_server.url}/v1/completions", json=BODY, timeout=120))
         )
+        streamed = threading.Thread(target=lambda: box.update(chunks=_chunks(dev_server.url, BODY)))
         generated = dev_server.metrics()["siesta_generation_tokens_total"]
         thread.start()
+        streamed.start()
         wait_for(lambda: dev_server.metrics()["siesta_generation_tokens_total"] >= generated + 8, what="some tokens")
         client.pause(mode="keep", clear_cache=False)
         after = client.update_weights(default_model_path())  # the same tensors: a new version all the same
         client.finish_weight_update()
         client.resume()
         thread.join(120)
+        streamed.join(120)
     body = box["r"].json()
     spans = body["choices"][0]["weight_versions"]
     assert [s["weight_version"] for s in spans] == [before, after] and after != before
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 48
     assert body["weight_version"] == after
     assert httpx.get(f"{dev_server.url}/v1/models").json()["data"][0]["weight_version"] == after
+    # The stream's chunks name the weights of their own tokens; its finishing chunk, the spans.
+    chunks = box["chunks"]
+    versions = [c["weight_version"] for c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert versions[0] == before and versions[-1] == after and sorted(set(versions)) == sorted({before, after})
+    assert versions == sorted(versions, key=[before, after].index)  # old, then new: never back
+    spans = chunks[-1]["choices"][0]["weight_versions"]
+    assert [s["weight_version"] for s in spans] == [before, after] and spans[-1]["end"] == 48
+
+
+def _chunks(url: str, body: dict) -> list[dict]:
+    out = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                out.append(json.loads(line[len("data: ") :]))
+    return out
 
 
 def test_an_ordinary_response_has_one_span(dev_server):
@@ -43,3 +63,18 @@ def test_an_ordinary_response_has_one_span(dev_server):
     body = r.json()
     version = body["weight_version"]
     assert body["choices"][0]["weight_versions"] == [{"weight_version": version, "start": 0, "end": 4}]
+
+
+def test_every_streamed_chunk_names_its_weights(dev_server):
+    version = httpx.get(f"{dev_server.url}/get_weight_version").json()["weight_version"]
+    bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                       "ignore_eos": True},
+              "/inference/v1/generate": {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "ignore_eos": True}}}  # fmt: skip
+    for path, body in bodies.items():
+        chunks = []
+        with httpx.stream("POST", dev_server.url + path, json=body | {"stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[len("data: ") :]))
+        assert chunks and all(c["weight_version"] == version for c in chunks), path
+        assert chunks[-1]["choices"][0]["weight_versions"] == [{"weight_version": version, "start": 0, "end": 4}], path

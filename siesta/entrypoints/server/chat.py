@@ -21,6 +21,7 @@ from siesta.entrypoints.server.protocol import ChatCompletionRequest
 from siesta.entrypoints.server.responses import (
     chat_logprobs,
     prompt_logprobs_json,
+    stamp_chunk,
     usage,
     weight_version,
     weight_versions,
@@ -130,5 +131,5 @@ class _DeltaWriter:
                 entry["token_ids"] = delta.token_ids
                 if first:
                     chunk["prompt_token_ids"] = list(choice.prompt.token_ids)
-            out.append(chunk)
+            out.append(stamp_chunk(chunk, entry, choice.state))
         return out

@@ -30,6 +30,7 @@ from siesta.entrypoints.server.protocol import CompletionRequest
 from siesta.entrypoints.server.responses import (
     json_logprob,
     prompt_logprobs_json,
+    stamp_chunk,
     token_text,
     usage,
     weight_version,
@@ -191,7 +192,7 @@ class _ChunkWriter:
             if self.return_token_ids:
                 prompt_ids = list(choice.prompt.token_ids) if first else None
                 entry |= {"prompt_token_ids": prompt_ids, "token_ids": delta.token_ids}
-            out.append(self.meta.envelope([entry]))
+            out.append(stamp_chunk(self.meta.envelope([entry]), entry, choice.state))
         return out
 
 

@@ -30,6 +30,7 @@ from siesta.entrypoints.server.protocol import Int, StreamOptions
 from siesta.entrypoints.server.responses import (
     chat_logprobs,
     prompt_logprobs_json,
+    stamp_chunk,
     usage,
     weight_version,
     weight_versions,
@@ -144,7 +145,7 @@ class _DeltaWriter:
                     "finish_reason": delta.finish_reason,
                     "token_ids": delta.token_ids,
                 }
-                out.append(envelope([entry]))
+                out.append(stamp_chunk(envelope([entry]), entry, choice.state))
             return out
 
         return write

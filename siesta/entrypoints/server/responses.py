@@ -37,6 +37,15 @@ def weight_versions(state: RequestState) -> list[dict[str, Any]]:
     return [{"weight_version": s.weight_version, "start": s.start, "end": s.end} for s in state.weight_versions]
 
 
+def stamp_chunk(chunk: dict[str, Any], entry: dict[str, Any], state: RequestState) -> dict[str, Any]:
+    """A streamed chunk names the weights of its tokens; a choice's finishing chunk carries its
+    spans, as the whole response would."""
+    chunk["weight_version"] = state.weight_version
+    if state.finished:
+        entry["weight_versions"] = weight_versions(state)
+    return chunk
+
+
 def weight_version(generation: Generation) -> str:
     """The version of the weights the response's last tokens came from."""
     return generation.choices[0].state.weight_version
