@@ -89,3 +89,35 @@ def test_no_server_errors(schema, dev_server, path, mode):
     assert httpx.get(f"{dev_server.url}/health").status_code == 200
     metrics = dev_server.metrics()
     assert metrics["siesta_num_requests_running"] == 0
+
+
+# SGLang's control routes change the shared server's state: few examples each, and the server is
+# resumed and woken after every one, as every test leaves it.
+CONTROL_EXAMPLES = 6
+CONTROL_ROUTES = ["/abort_request", "/pause_generation", "/flush_cache", "/release_memory_occupation",
+                  "/resume_memory_occupation"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "mode"),
+    [(path, mode) for path in CONTROL_ROUTES for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+     if not (path == "/flush_cache" and mode == GenerationMode.NEGATIVE)],  # no body: nothing to break
+)  # fmt: skip
+def test_no_server_errors_on_sglangs_control_routes(schema, dev_server, path, mode):
+    operation = schema[path]["POST"]
+
+    @settings(max_examples=CONTROL_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def fuzz(case):
+        try:
+            response = case.call(base_url=dev_server.url, timeout=REQUEST_TIMEOUT_S)
+            case.validate_response(response, checks=[not_a_server_error])
+        finally:
+            for restore in ("/resume_memory_occupation", "/continue_generation"):
+                assert httpx.post(dev_server.url + restore, json={}, timeout=REQUEST_TIMEOUT_S).status_code == 200
+
+    fuzz()
+    assert httpx.get(f"{dev_server.url}/health").status_code == 200
+    assert httpx.get(f"{dev_server.url}/is_sleeping").json() == {"is_sleeping": False}
+    assert httpx.get(f"{dev_server.url}/is_paused").json() == {"is_paused": False}
