@@ -27,8 +27,12 @@ serve: setup
 generate: setup
 	$(VENV)/bin/siesta generate --chat "$(PROMPT)"
 
+# Two workers, a test file each at a time: the end-to-end tests mostly wait on a server
+# process that computes on one core, so the other core runs the unit tests meanwhile.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 bench: setup
 	$(VENV)/bin/siesta bench throughput

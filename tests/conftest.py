@@ -16,8 +16,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/prompts.py and friends
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-# Two cores: keep torch from oversubscribing them in every test process.
-torch.set_num_threads(int(os.environ.get("SIESTA_TEST_THREADS", os.cpu_count() or 1)))
+# Two cores: keep torch from oversubscribing them in every test process. Under pytest-xdist
+# (make test runs two workers) each worker gets its share of the cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("SIESTA_TEST_THREADS", max(1, (os.cpu_count() or 1) // _WORKERS))))
 
 
 @pytest.fixture(scope="session")
