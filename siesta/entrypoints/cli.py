@@ -7,6 +7,13 @@ import json
 import sys
 
 from siesta.config import ConfigError
+from siesta.entrypoints.cli_flags import (
+    UVICORN_LOG_LEVELS,
+    add_vllm_flags,
+    byte_size,
+    check_prompts_are_not_models,
+    check_vllm_flags,
+)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -15,9 +22,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-bytes", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--kv-cache-bytes", type=byte_size, default=None, help="bytes, or with units: 4G, 512MiB")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of the GPU to fill (default 0.9)")
+    add_vllm_flags(p)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
@@ -35,6 +43,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    check_vllm_flags(args)
     keys = ["model", "tokenizer", "dtype", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization",
             "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
             "async_scheduling", "max_waiting_requests", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend"]  # fmt: skip
@@ -69,6 +78,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dev-mode", action="store_true", help="enable the control routes (or SIESTA_SERVER_DEV_MODE=1)")
     p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
+                   help="vLLM's: uvicorn's own log level (default: --log-level)")  # fmt: skip
     p.add_argument("--max-request-fanout", type=int, default=DEFAULT_MAX_REQUEST_FANOUT,
                    help="engine requests (prompts x n) one HTTP request may make")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -79,6 +90,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> None:
     from siesta import LLM, SamplingParams
 
+    check_prompts_are_not_models(args.prompt)
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.sample_seed)
     if args.chat:

@@ -36,7 +36,8 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> None:
     app = build_app(config, engine_starter(engine_config))
     server = uvicorn.Server(
         uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+            app, host=args.host, port=args.port, log_level=getattr(args, "uvicorn_log_level", None) or args.log_level,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     )
     app.state.stop_server = lambda: setattr(server, "should_exit", True)

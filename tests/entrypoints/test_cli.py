@@ -1,0 +1,81 @@
+"""``siesta serve`` takes the command line a vLLM user pastes; what it cannot honour gets a
+one-line answer naming the flag (exit 2), never a traceback or a silent no-op."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from siesta.entrypoints.cli import build_parser, engine_config, main
+
+# The seed's own serve command (its tensor-parallel size aside), on a small random model.
+TIER = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"block_size": 128, "cpu_bytes_to_use": 34359738368}}  # fmt: skip
+SEED_SERVE = ["serve", "random:tiny-llama", "--served-model-name", "dsv41", "--enable-prefix-caching",
+              "--max-model-len", "65536", "--gpu-memory-utilization", "0.85", "--port", "8712",
+              "--kv-transfer-config", json.dumps(TIER), "--device", "cuda"]  # fmt: skip
+
+
+def _config(argv: list[str]):
+    return engine_config(build_parser().parse_args(argv))
+
+
+def _refusal(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 or err.startswith("usage:"), err  # one line, or argparse's usage + error
+    return err
+
+
+def test_the_seeds_serve_command_parses_with_vllms_meanings():
+    config = _config(SEED_SERVE)
+    assert config.cache.enable_prefix_caching and config.cache.gpu_memory_utilization == 0.85
+    assert config.model.max_model_len == 65536 and config.kv_transfer.kv_connector == "OffloadingConnector"
+
+
+def test_vllms_other_flags_are_taken():
+    argv = ["serve", "random:tiny-llama", "--no-enable-prefix-caching", "--tensor-parallel-size", "1",
+            "--kv-cache-dtype", "auto", "--disable-log-requests", "--disable-log-stats", "--generation-config", "vllm",
+            "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--enforce-eager", "--trust-remote-code",
+            "--dtype", "float32", "--seed", "3", "--uvicorn-log-level", "warning"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    config = engine_config(args)
+    assert not config.cache.enable_prefix_caching and config.enforce_eager and config.model.seed == 3
+    assert config.scheduler.max_num_seqs == 8 and config.scheduler.max_num_batched_tokens == 512
+    assert args.uvicorn_log_level == "warning"
+
+
+@pytest.mark.parametrize(("size", "expected"), [("4294967296", 1 << 32), ("1G", 1 << 30), ("512MiB", 512 << 20),
+                                               ("1.5GB", 1_500_000_000), ("64k", 64 << 10)])  # fmt: skip
+def test_sizes_take_units(size, expected):
+    assert _config(["serve", "--kv-cache-bytes", size]).cache.kv_cache_bytes == expected
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--tensor-parallel-size", "4"], "--tensor-parallel-size 4"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+        (["--generation-config", "auto"], "--generation-config auto"),
+        (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent"),
+        (["--kv-cache-bytes", "1X"], "--kv-cache-bytes"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_by_name(flags, named, capsys):
+    assert named in _refusal(["serve", *flags], capsys)
+
+
+def test_gpu_memory_utilization_on_the_cpu_says_it_does_nothing(capsys):
+    _config(["serve", "--device", "cpu", "--gpu-memory-utilization", "0.5"])
+    err = capsys.readouterr().err
+    assert "--gpu-memory-utilization 0.5 has no effect on the CPU" in err and "--kv-cache-bytes" in err
+    _config(["serve", "--device", "cpu"])
+    assert capsys.readouterr().err == ""  # left out: nothing to say
+
+
+def test_generate_given_a_model_directory_points_to_model(tmp_path, capsys):
+    err = _refusal(["generate", str(tmp_path)], capsys)
+    assert f"--model {tmp_path}" in err
