@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 PREFIX = "siesta_"
 
@@ -133,6 +133,7 @@ class MetricsRegistry:
     """Frontend-side prometheus metrics, fed by ``StatsSnapshot``s and by the frontend's own timings."""
 
     def __init__(self) -> None:
+        disable_created_metrics()  # as vLLM: no _created timestamp series beside the counters
         self.registry = CollectorRegistry()
         self._metrics: dict[str, Counter | Gauge | Histogram] = {}
         for spec in SPECS.values():

@@ -229,7 +229,9 @@ class EngineCore(OneCallUpdates):
         except ValueError as e:
             raise RequestRejected(str(e)) from None
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
+        """End requests; ``stopped``: the front end found a stop string, so they finished (and are
+        counted so), though the core ends them as it ends an abort."""
         ids = set(request_ids)
         held = [h for h in self._held if h.request_id in ids]
         self._held = [h for h in self._held if h.request_id not in ids]
@@ -240,7 +242,7 @@ class EngineCore(OneCallUpdates):
         )
         if held:  # they never reached the scheduler, which counts the rest
             self.stats.inc("request_success", len(held), finished_reason="abort")
-        self._pending.extend(self.scheduler.abort_requests(request_ids))
+        self._pending.extend(self.scheduler.abort_requests(request_ids, stopped))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._held)

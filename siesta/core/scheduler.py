@@ -76,12 +76,13 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+    def abort_requests(self, request_ids: Iterable[str], stopped: bool = False) -> list[EngineCoreOutput]:
+        status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
         outputs = []
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is not None:
-                outputs.append(self._finish(request, RequestStatus.FINISHED_ABORTED))
+                outputs.append(self._finish(request, status))
         self._record_gauges()  # a paused engine does not schedule: refresh them here
         return outputs
 

@@ -211,7 +211,7 @@ class LLM:
         self.metrics.apply(out.stats)
         changed, to_abort = self.processor.process(out.outputs)
         if to_abort:
-            self.engine.abort_requests(to_abort)
+            self.engine.abort_requests(to_abort, stopped=True)
         for state in changed:
             parent = self._parent_of.get(state.request_id)
             if parent is None:

@@ -303,9 +303,9 @@ class EngineCoreClient:
         """Queue all of them in one message, or none (RequestRejected, EngineOverloaded)."""
         await self.call(AddRequests(requests=requests))
 
-    def abort_nowait(self, request_ids: list[str]) -> None:
+    def abort_nowait(self, request_ids: list[str], stopped: bool = False) -> None:
         if request_ids:
-            self.cast(AbortRequests(request_ids=request_ids))
+            self.cast(AbortRequests(request_ids=request_ids, stopped=stopped))
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         await self.call(AbortRequests(request_ids=request_ids))

@@ -127,7 +127,7 @@ class CallHandler:
         return Outcome()
 
     def _abort(self, call: AbortRequests) -> Outcome:
-        self.engine.abort_requests(list(call.request_ids))
+        self.engine.abort_requests(list(call.request_ids), stopped=call.stopped)
         return Outcome()
 
     def _pause(self, call: Pause) -> Outcome:

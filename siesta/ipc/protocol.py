@@ -51,6 +51,7 @@ class AddRequests(CoreCall, tag="add_many", omit_defaults=True):
 
 class AbortRequests(CoreCall, tag="abort", omit_defaults=True):
     request_ids: list[str] = []
+    stopped: bool = False  # ended by a stop string the front end found: finished, not aborted
 
 
 class Pause(CoreCall, tag="pause", omit_defaults=True):

@@ -45,8 +45,15 @@ def test_stop_strings_cut_the_text(llm):
     prompt = "Count: one, two, three, four, five, six,"
     full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     stop = full.text.split()[2]  # a word the greedy output is known to contain
+    before = llm.get_metrics()
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
+    after = llm.get_metrics()
+    # Counted as it answered: stopped, not aborted (the core ends it as the front end asks).
+    for reason, delta in (("stop", 1), ("abort", 0)):
+        key = f'siesta_request_success_total{{finished_reason="{reason}"}}'
+        assert after.get(key, 0) - before.get(key, 0) == delta, key
+    assert b"_created" not in llm.metrics.exposition()  # as vLLM: no timestamp series
     assert out.text == full.text[: full.text.index(stop)]
     kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True),
                         use_tqdm=False)[0].outputs[0]  # fmt: skip

@@ -69,7 +69,7 @@ class Generation:
             outputs = await self._stream.get()
             changed, to_abort = self.llm.processor.process(outputs)
             if to_abort:  # stopped by a stop string here: the core must free them
-                self.llm.core.abort_nowait(to_abort)
+                self.llm.core.abort_nowait(to_abort, stopped=True)
             if changed:
                 yield [self._by_engine_id[s.request_id] for s in changed if s.request_id in self._by_engine_id]
 
