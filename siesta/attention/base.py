@@ -123,23 +123,3 @@ class AttentionBackend(Protocol):
         (q_heads a multiple of kv_heads: grouped-query attention); returns ``q``'s shape,
         in ``out`` when given (a static buffer of a CUDA graph, say).
         """
-
-
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` takes the Triton kernels on CUDA and, elsewhere, the torch reference with
-    its decode rows read in place by a compiled kernel (``cpu_attention``)."""
-    if name == "auto" and device.type != "cuda":
-        from siesta.attention.cpu_attention import CpuAttention
-
-        return CpuAttention()
-    if name == "auto":
-        name = "triton"
-    if name == "torch":
-        from siesta.attention.torch_ref import TorchAttention
-
-        return TorchAttention()
-    if name == "triton":
-        from siesta.attention.triton_attention import TritonAttention
-
-        return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r}: expected auto, torch or triton")

@@ -27,7 +27,7 @@ import torch
 
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.torch_ref import TorchAttention
-from siesta.model.gguf_loader import CACHE_DIR_ENV, DEFAULT_CACHE_DIR
+from siesta.cache_dir import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel, built once per source, flags and CPU; None without a C compiler."""
     return build_kernel(SOURCE.read_bytes())
@@ -82,7 +82,7 @@ def build_kernel(source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL 
         logger.warning("no C compiler found: CPU decode attention gathers K/V through torch (slower)")
         return None
     key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_model().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get(CACHE_DIR_ENV, DEFAULT_CACHE_DIR)).expanduser() / KERNEL_SUBDIR
+    cache = cache_dir() / KERNEL_SUBDIR
     path = cache / f"cpu_decode-{platform.machine()}-{key}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)

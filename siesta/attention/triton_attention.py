@@ -125,7 +125,7 @@ def _tiles_for(table: dict[int, Tiles], head_dim: int) -> Tiles:
     raise ValueError(f"head_dim {head_dim} is not supported: at most {MAX_HEAD_DIM}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -406,13 +406,13 @@ def step_io(args: argparse.Namespace) -> dict[str, Any]:
     import threading
 
     from siesta.core.staging import copy_words
-    from siesta.tiers.transfer import _BatchedCopies
+    from siesta.tiers.transfer import BatchedCopies
 
     dev = torch.device("cuda", torch.cuda.current_device())
     chunk, in_flight = 128 << 20, 4
     host_big = torch.empty(chunk * in_flight, dtype=torch.uint8, pin_memory=True)
     dev_big = torch.empty(chunk * in_flight, dtype=torch.uint8, device=dev)
-    batch = _BatchedCopies.create()
+    batch = BatchedCopies.create()
     small_host = torch.arange(1024, dtype=torch.int32).pin_memory()
     small_dev = torch.zeros(1024, dtype=torch.int32, device=dev)
 

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         return resume.run(args)
     from siesta import LLM
-    from siesta.entrypoints.cli import engine_kwargs
+    from siesta.entrypoints.engine_args import engine_kwargs
 
     kwargs = engine_kwargs(args)
     if kwargs["kv_transfer_config"] is None:

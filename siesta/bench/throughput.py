@@ -117,7 +117,7 @@ def _batches(args: argparse.Namespace) -> list[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from siesta import LLM
-    from siesta.entrypoints.cli import engine_kwargs
+    from siesta.entrypoints.engine_args import engine_kwargs
 
     llm = LLM(**engine_kwargs(args))
     vocab = llm.engine.vocab_size

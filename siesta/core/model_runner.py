@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from siesta.attention.base import AttentionMetadata, KVCache, get_attention_backend
+from siesta.attention.base import AttentionMetadata, KVCache
+from siesta.attention.select import get_attention_backend
 from siesta.config import EngineConfig, resolve_dtype
 from siesta.core import staging
 from siesta.core.cuda_graphs import DecodeGraphs

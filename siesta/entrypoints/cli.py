@@ -7,54 +7,8 @@ import json
 import sys
 
 from siesta.config import ConfigError
-from siesta.entrypoints.cli_flags import (
-    UVICORN_LOG_LEVELS,
-    add_vllm_flags,
-    byte_size,
-    check_prompts_are_not_models,
-    check_vllm_flags,
-)
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file, HF directory or random:<shape>; default: embedded SmolLM2")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-bytes", type=byte_size, default=None, help="bytes, or with units: 4G, 512MiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of the GPU to fill (default 0.9)")
-    add_vllm_flags(p)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="schedule a step ahead of reading samples back (default: on CUDA, off on the CPU)")
-    p.add_argument("--max-waiting-requests", type=int, default=4096,
-                   help="engine requests that may wait; past it new ones get 429 (a request counts prompts x n)")
-    p.add_argument("--kv-transfer-config", default=None, help="JSON, e.g. '{\"kv_connector\":\"OffloadingConnector\"}'")
-    p.add_argument("--weight-transfer-config", default=None,
-                   help="JSON, e.g. '{\"backend\":\"nccl\"}' (nccl or ipc; packed_buffer_size_bytes, timeout_s)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    check_vllm_flags(args)
-    keys = ["model", "tokenizer", "dtype", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization",
-            "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
-            "async_scheduling", "max_waiting_requests", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend"]  # fmt: skip
-    return {k: getattr(args, k) for k in keys}
-
-
-def engine_config(args: argparse.Namespace):
-    """The EngineConfig the engine flags describe (what ``LLM(**engine_kwargs(args))`` builds)."""
-    from siesta.config import EngineConfig
-
-    return EngineConfig.from_flags(**engine_kwargs(args), enable_sleep_mode=getattr(args, "enable_sleep_mode", True))
+from siesta.entrypoints.cli_flags import UVICORN_LOG_LEVELS, check_prompts_are_not_models
+from siesta.entrypoints.engine_args import add_engine_args, engine_config, engine_kwargs
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -84,7 +38,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="engine requests (prompts x n) one HTTP request may make")
     p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="larger request bodies are refused (413) before they are parsed")
-    _engine_args(p)
+    add_engine_args(p)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -116,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.add_argument("--json", action="store_true")
-    _engine_args(gen)
+    add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (+ control routes in dev mode)")
@@ -129,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers' generate")
     throughput.add_arguments(tp)
-    _engine_args(tp)
+    add_engine_args(tp)
     tp.set_defaults(func=throughput.run)
 
     from siesta.bench import resume, resume_offline
@@ -138,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs = bench_sub.add_parser("resume", help="does the KV tier survive sleep? in-process, or over HTTP with --url")
     resume_offline.add_arguments(rs)
     resume.add_arguments(rs)
-    _engine_args(rs)
+    add_engine_args(rs)
     rs.set_defaults(func=resume_offline.run)
     sv = bench_sub.add_parser("serve", help="online serving: TTFT, TPOT, ITL, throughput of any OpenAI server")
     serve_bench.add_arguments(sv)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from siesta.cache_dir import cache_dir
 from siesta.model.hf_loader import (
     CONFIG_FILE,
     GGUF_SUFFIX,
@@ -44,10 +45,9 @@ from siesta.model.layers import inverse_frequencies
 if TYPE_CHECKING:
     from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 
+
 GGUF_INSTALL = "pip install gguf"
 
-CACHE_DIR_ENV = "SIESTA_CACHE_DIR"
-DEFAULT_CACHE_DIR = Path("~/.cache/siesta")
 GGUF_CACHE_SUBDIR = "gguf"
 WEIGHTS_FILE = "model.safetensors"
 TOKENIZER_SUBDIR = "tokenizer"
@@ -101,7 +101,7 @@ def dequantize(data: np.ndarray, quant_type: GGMLQuantizationType) -> np.ndarray
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR).expanduser()
+    return cache_dir()
 
 
 def display_name(path: Path) -> str:

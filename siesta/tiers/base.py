@@ -11,9 +11,10 @@ previous step made possible). Worker side: ``run_loads`` before the forward,
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -21,9 +22,24 @@ from siesta.metrics import EngineStats
 
 if TYPE_CHECKING:
     from siesta.attention.base import KVCache
-    from siesta.core.scheduler import SchedulerOutput
     from siesta.kv.block_pool import BlockPool
     from siesta.request import Request
+
+
+class ScheduledRow(Protocol):
+    """One request of a step, as a connector reads it (the scheduler's ScheduledRequest)."""
+
+    request: Request
+    block_ids: list[int]
+
+
+class ScheduledStep(Protocol):
+    """A scheduled step, as a connector reads it (the scheduler's SchedulerOutput): declared
+    here so that tiers need not import the core, which imports them."""
+
+    scheduled: Sequence[ScheduledRow]
+    preempted_req_ids: set[str]
+    finished_req_ids: set[str]
 
 
 class DropReason(StrEnum):
@@ -128,7 +144,7 @@ class KVConnector(ABC):
         return True
 
     @abstractmethod
-    def build_step(self, sched: SchedulerOutput) -> StepTransfers:
+    def build_step(self, sched: ScheduledStep) -> StepTransfers:
         """This step's loads, plus stores of blocks that earlier steps filled."""
 
     def has_pending_work(self) -> bool:

@@ -8,12 +8,11 @@ from typing import Any
 from siesta.attention.base import KVCache
 from siesta.request import Request
 from siesta.tiers.base import ConnectorContext, KVConnector, StepTransfers
+from siesta.tiers.factory import create_connector
 
 
 class MultiConnector(KVConnector):
     def __init__(self, extra_config: dict[str, Any], ctx: ConnectorContext, role: str = "kv_both") -> None:
-        from siesta.tiers.factory import create_connector
-
         super().__init__(extra_config, ctx)
         specs = extra_config.get("connectors")
         if not isinstance(specs, list) or not specs:

@@ -49,7 +49,7 @@ class BlockCopier:
         self.device = device
         self._store_stream = torch.cuda.Stream(device) if self.cuda else None
         self._load_stream = torch.cuda.Stream(device) if self.cuda else None
-        self._batch = _BatchedCopies.create() if self.cuda else None
+        self._batch = BatchedCopies.create() if self.cuda else None
         # One thread: copies are issued in submission order, so a stream sees them in that order.
         self._issuer = None
         if self.cuda and self._batch is None:
@@ -158,7 +158,7 @@ def _run_parts(cache: torch.Tensor, ids: Sequence[int], host: torch.Tensor, dire
         yield (host_part, device_part) if direction == "out" else (device_part, host_part)
 
 
-class _BatchedCopies:
+class BatchedCopies:
     """Many copies in one driver call (``cuMemcpyBatchAsync``, CUDA 12.8+ through cuda-python)."""
 
     def __init__(self, driver) -> None:
@@ -168,7 +168,7 @@ class _BatchedCopies:
         self.attrs.flags = driver.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE.value
 
     @classmethod
-    def create(cls) -> _BatchedCopies | None:
+    def create(cls) -> BatchedCopies | None:
         try:
             from cuda.bindings import driver
 

@@ -12,8 +12,9 @@ import torch
 from paged_batch import KV_HEADS, LAYER, decode_batch, dense_decode
 
 from siesta.attention import cpu_attention
-from siesta.attention.base import get_attention_backend
 from siesta.attention.cpu_attention import MAX_Q_HEADS, MAX_STATE, CpuAttention, _balanced_bounds, load_kernel
+from siesta.attention.select import get_attention_backend
+from siesta.cache_dir import CACHE_DIR_ENV
 
 # The kernel's exp against float64 exp, in units in the last place of the fp32 result.
 EXP_MAX_ULP = 2
@@ -121,7 +122,7 @@ def test_unsupported_dtype_takes_the_torch_path() -> None:
 
 def test_without_a_compiler_the_torch_path_serves(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv(cpu_attention.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     load_kernel.cache_clear()
     try:
         assert load_kernel() is None

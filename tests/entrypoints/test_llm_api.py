@@ -257,10 +257,10 @@ def test_bad_engine_config():
 def test_async_scheduling_is_an_engine_flag_of_the_cli_and_the_llm():
     import argparse
 
-    from siesta.entrypoints.cli import _engine_args, engine_config
+    from siesta.entrypoints.engine_args import add_engine_args, engine_config
 
     parser = argparse.ArgumentParser()
-    _engine_args(parser)
+    add_engine_args(parser)
 
     def flag(*argv: str) -> bool | None:
         config = engine_config(parser.parse_args(["--model", "random:tiny-llama", *argv]))

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from siesta.attention.torch_ref import TorchAttention
+from siesta.cache_dir import CACHE_DIR_ENV
 from siesta.model import gguf_loader, random_init
 from siesta.model.llama import CausalLM
 from siesta.model.loader import RANDOM_SHAPES, default_model_path, resolve_model
@@ -38,7 +39,7 @@ HEX_DIGITS = set("0123456789abcdef")
 @pytest.fixture
 def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     directory = tmp_path / "cache"
-    monkeypatch.setenv(gguf_loader.CACHE_DIR_ENV, str(directory))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(directory))
     return directory
 
 
@@ -50,7 +51,7 @@ def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def default_cache(shared_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv(gguf_loader.CACHE_DIR_ENV, str(shared_cache))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(shared_cache))
     return shared_cache
 
 

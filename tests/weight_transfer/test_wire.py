@@ -89,10 +89,10 @@ def test_the_backend_is_configured_as_vllm_configures_it():
     import argparse
 
     from siesta.config import ConfigError, EngineConfig, WeightTransferConfig
-    from siesta.entrypoints.cli import _engine_args, engine_config
+    from siesta.entrypoints.engine_args import add_engine_args, engine_config
 
     parser = argparse.ArgumentParser()
-    _engine_args(parser)
+    add_engine_args(parser)
     argv = ["--weight-transfer-config", '{"backend": "ipc", "packed_buffer_size_bytes": 1048576}']
     config = engine_config(parser.parse_args(argv)).weight_transfer
     assert (config.backend, config.packed_buffer_size_bytes) == ("ipc", 1 << 20)
