@@ -44,11 +44,13 @@ VLLM_DEFAULTS: dict[str, Any] = {
     "truncate_prompt_tokens": None,
     "bad_words_token_ids": None,  # vLLM's _bad_words_token_ids
 }
+# siesta's own, off by default: a default request behaves as vLLM's.
+SIESTA_DEFAULTS: dict[str, Any] = {"scaled_logprobs": False}
 
 
 def test_defaults_equal_vllm() -> None:
     params = SamplingParams()
-    assert {f.name: getattr(params, f.name) for f in fields(params)} == VLLM_DEFAULTS
+    assert {f.name: getattr(params, f.name) for f in fields(params)} == VLLM_DEFAULTS | SIESTA_DEFAULTS
     assert MAX_LOGPROBS == 20
 
 

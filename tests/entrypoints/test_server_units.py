@@ -179,6 +179,9 @@ class FakeCore:
     async def shutdown(self):
         pass
 
+    async def get_info(self):
+        return self.info
+
 
 @pytest.fixture
 def fake():
