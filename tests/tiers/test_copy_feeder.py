@@ -24,13 +24,25 @@ class _Timed:
         return time.perf_counter() >= self.at
 
 
+class _Held:
+    """A copy handle that lands only when waited on: what the feeder issues does not depend on
+    how fast the machine runs the test (a timed one may land while jobs are still submitted)."""
+
+    def __init__(self) -> None:
+        self.landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+
 class FakeCopier:
     """Records each load's blocks and the bytes in flight when it was issued; copies nothing."""
 
     cuda = False
     device = torch.device("cpu")
 
-    def __init__(self, fail_on_call: int | None = None) -> None:
+    def __init__(self, fail_on_call: int | None = None, held: bool = False) -> None:
+        self.held = held  # handles land when waited on, not after LAND_AFTER_S
         self.calls: list[list[int]] = []
         self.in_flight_at_issue: list[int] = []
         self.handles: list[_Timed] = []
@@ -51,7 +63,7 @@ class FakeCopier:
             flying = sum(len(ids) for (ids, h) in zip(self.calls, self.handles) if not h.query())
             self.in_flight_at_issue.append(flying * BLOCK_BYTES)
             self.calls.append([b for _, ids in pieces for b in ids])
-            handle = _Timed(LAND_AFTER_S)
+            handle = _Held() if self.held else _Timed(LAND_AFTER_S)
             self.handles.append(handle)
             return handle
 
@@ -61,11 +73,15 @@ class FakeCopier:
 
     @staticmethod
     def wait(handle) -> None:
+        if isinstance(handle, _Held):
+            handle.landed = True
         while not handle.query():
             time.sleep(LAND_AFTER_S / 10)
 
     @classmethod
     def wait_for(cls, handle, timeout_s: float) -> None:
+        if isinstance(handle, _Held):
+            handle.landed = True
         deadline = time.perf_counter() + timeout_s
         while not handle.query() and time.perf_counter() < deadline:
             time.sleep(LAND_AFTER_S / 10)
@@ -144,7 +160,7 @@ def test_window_must_be_positive() -> None:
 
 
 def test_small_jobs_queued_behind_a_full_window_share_a_call() -> None:
-    copier = FakeCopier()
+    copier = FakeCopier(held=True)
     window_blocks = 4 * CHUNKS_PER_WINDOW  # chunks of 4 blocks
     feeder = CopyFeeder(copier, "out", window_blocks * BLOCK_BYTES, BLOCK_BYTES, threaded=False)
     jobs = [("entry", i) for i in range(30)]
