@@ -7,6 +7,7 @@ shared server awake and resumed.
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from e2e.servers import DEV_MAX_MODEL_LEN, OFFLINE_KV_CACHE_BYTES, SERVER_KV_CACHE_BYTES, start_server, stop_server
@@ -27,3 +28,15 @@ def offline_llm():
     from siesta import LLM
 
     return LLM(max_model_len=DEV_MAX_MODEL_LEN, kv_cache_bytes=OFFLINE_KV_CACHE_BYTES)
+
+
+@pytest.fixture(scope="module")
+def http(dev_server):
+    """A client of the shared server, one per module."""
+    with httpx.Client(base_url=dev_server.url, timeout=120.0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tokenizer(offline_llm):
+    return offline_llm.get_tokenizer()

@@ -15,12 +15,6 @@ MAX_TOKENS = 10
 LOGPROB_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def http(dev_server):
-    with httpx.Client(base_url=dev_server.url, timeout=120.0) as client:
-        yield client
-
-
 def _offline(llm, **params):
     from siesta import SamplingParams
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from e2e.servers import single_thread
@@ -18,17 +17,6 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 MAX_TOKENS = 4
 TOP_N = 3
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def http(dev_server):
-    with httpx.Client(base_url=dev_server.url, timeout=120.0) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def tokenizer(offline_llm):
-    return offline_llm.get_tokenizer()
 
 
 def _offline(llm, prompt, chat: bool = False, **params):

@@ -5,18 +5,11 @@ Greedy throughout, on the shared dev server; the token ids come back with return
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 6
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def http(dev_server):
-    with httpx.Client(base_url=dev_server.url, timeout=120.0) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

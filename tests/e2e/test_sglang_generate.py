@@ -23,17 +23,6 @@ LOGPROB_TOL = 1e-4
 SETTLE_S = 0.5
 
 
-@pytest.fixture(scope="module")
-def http(dev_server):
-    with httpx.Client(base_url=dev_server.url, timeout=120.0) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def tokenizer(offline_llm):
-    return offline_llm.get_tokenizer()
-
-
 def _offline(llm, prompt, max_tokens: int = MAX_NEW, **extra):
     from siesta import SamplingParams
 

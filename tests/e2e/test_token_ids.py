@@ -20,17 +20,6 @@ MAX_TOKENS = 12
 TOKEN_FIELDS = {"token_ids", "prompt_token_ids"}
 
 
-@pytest.fixture(scope="module")
-def http(dev_server):
-    with httpx.Client(base_url=dev_server.url, timeout=120.0) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def tokenizer(offline_llm):
-    return offline_llm.get_tokenizer()
-
-
 def _offline(llm, prompt, max_tokens: int = MAX_TOKENS, chat: bool = False):
     from siesta import SamplingParams
 
