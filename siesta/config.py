@@ -5,6 +5,7 @@ The engine is built from an ``EngineConfig``; nothing else holds tunables.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,32 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Tensor parallelism: one process per rank (rank 0 is the engine core's own), one device each."""
+
+    tensor_parallel_size: int = 1
+    # A rank that does not answer a call, or a collective that does not complete, within this
+    # long has failed: the engine reports it, naming the rank, instead of hanging.
+    rank_timeout_s: float = 120.0
+    # Loading the model and capturing its graphs on every rank, before the engine is up.
+    rank_start_timeout_s: float = 900.0
+    # A rank that sent no heartbeat for this long is reported as hung.
+    heartbeat_timeout_s: float = 10.0
+
+    def validate(self, device: torch.device) -> None:
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or size < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if device.type == "cuda" and size > torch.cuda.device_count():
+            raise ConfigError(
+                f"tensor_parallel_size={size} needs {size} GPUs; this host has {torch.cuda.device_count()}"
+            )
+        for name in ("rank_timeout_s", "rank_start_timeout_s", "heartbeat_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+
+@dataclass
 class KVTransferConfig:
     """Which KV connector moves blocks between the device and the outer tiers."""
 
@@ -219,6 +246,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig | None = None
     weight_transfer: WeightTransferConfig = field(default_factory=WeightTransferConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str | None = None  # None: cuda when available, else cpu
     enable_sleep_mode: bool = True
     # CUDA graphs for decode; ignored on CPU.
@@ -248,6 +276,7 @@ class EngineConfig:
         enforce_eager: bool = False,
         attention_backend: str = "auto",
         enable_sleep_mode: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> EngineConfig:
         """The flat, vLLM-style engine arguments (``LLM(...)``, CLI flags) as a config."""
         return cls(
@@ -267,6 +296,7 @@ class EngineConfig:
             ),
             kv_transfer=KVTransferConfig.from_any(kv_transfer_config),
             weight_transfer=WeightTransferConfig.from_any(weight_transfer_config),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device=device,
             enforce_eager=enforce_eager,
             attention_backend=attention_backend,
@@ -278,6 +308,15 @@ class EngineConfig:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+    def for_rank(self, rank: int) -> EngineConfig:
+        """This config as tensor-parallel ``rank`` runs it: on CUDA, the rank-th GPU from the
+        configured one (rank 0 keeps it)."""
+        device = self.torch_device()
+        if device.type != "cuda":
+            return self
+        first = device.index if device.index is not None else 0
+        return dataclasses.replace(self, device=f"cuda:{first + rank}")
+
     def validate(self, max_model_len: int) -> None:
         self.model.validate()
         self.cache.validate()
@@ -287,5 +326,6 @@ class EngineConfig:
         if self.kv_transfer is not None:
             self.kv_transfer.validate()
         self.weight_transfer.validate()
+        self.parallel.validate(self.torch_device())
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

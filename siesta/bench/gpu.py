@@ -239,10 +239,10 @@ def _timed_forwards(llm) -> tuple[list[float], list[tuple[float, float]]]:
         connector.run_stores = timed(connector.run_stores, "copies")
     runner._forward = timed(forward, "forward")
 
-    def launch(sched, prev=None):
+    def launch(sched, prev=None, peers=None):
         spent.update(copies=0.0, forward=0.0)
         t0 = time.perf_counter()
-        result = plain(sched, prev)
+        result = plain(sched, prev, peers)
         # The compute stream only: a device-wide sync would wait for tier loads. Not with async
         # scheduling, whose point is not to wait here (its steps' times are then host times).
         if torch.cuda.is_available() and not llm.config.scheduler.async_scheduling:

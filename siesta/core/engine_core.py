@@ -17,9 +17,11 @@ import torch
 
 from siesta.config import ConfigError, EngineConfig
 from siesta.core.device_memory import MemoryReport
-from siesta.core.model_runner import LaunchedStep, ModelRunner
+from siesta.core.model_runner import LaunchedStep
 from siesta.core.one_call_updates import OneCallUpdates
+from siesta.core.ranks import RankedMemory, RankedUpdater, Ranks
 from siesta.core.scheduler import Scheduler, SchedulerOutput
+from siesta.distributed.processes import RankFailed
 from siesta.kv.hashing import ExtraKeys
 from siesta.kv.kv_manager import KVManager, cdiv
 from siesta.metrics import EngineStats, StatsSnapshot
@@ -30,7 +32,7 @@ from siesta.tiers.base import ConnectorContext, KVConnector
 from siesta.tiers.factory import create_connector
 from siesta.weight_transfer.receivers import Receiver
 from siesta.weight_transfer.state import REPAIR
-from siesta.weight_transfer.updater import UpdateFailed, WeightUpdater
+from siesta.weight_transfer.updater import UpdateFailed
 from siesta.weight_transfer.wire import WeightTransferError
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,9 @@ class EngineCore(OneCallUpdates):
         # the name the weights had when they were written, which a rename leaves alone.
         self.weight_version = config.model.weight_version
         self.kv_version = self.weight_version
-        self.runner = ModelRunner(config, self.source, self.max_model_len)
+        # Every tensor-parallel rank's runner: this process holds rank 0's.
+        self.ranks = Ranks.start(config, self.source, self.max_model_len)
+        self.runner = self.ranks.runner
         self.vocab_size = self.runner.model.shape.vocab_size
         self.stats = EngineStats()
         self.kv = KVManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
@@ -105,7 +109,7 @@ class EngineCore(OneCallUpdates):
         self.connector = self._make_connector()
         self.scheduler.connector = self.connector
         self.runner.connector = self.connector
-        self.memory = self.runner.sleepable_memory()
+        self.memory = RankedMemory(self.ranks)
         # What the last sleep and wake moved, part by part (sleep_weights, wake_kv_cache, ...).
         self.memory_reports: dict[str, MemoryReport] = {}
         self._pending: list[EngineCoreOutput] = []
@@ -118,7 +122,7 @@ class EngineCore(OneCallUpdates):
         self._pause_resets: tuple[bool, bool] = (False, False)  # (prefix cache, connector) to clear once paused
         self._sleep_level: int | None = None
         self._sleep_releases: list[str] = list(WAKE_TAGS)  # what this sleep releases (level >= 1)
-        self.updater = WeightUpdater(config.weight_transfer, self.runner.model, self.runner.device)
+        self.updater = RankedUpdater(self.ranks)
         # Whole weights of one version, or why not; an open weight update holds every step.
         self.weights = self.updater.state
         self._record_weight_version()
@@ -126,6 +130,9 @@ class EngineCore(OneCallUpdates):
     def _make_connector(self) -> KVConnector | None:
         if self.config.kv_transfer is None:
             return None
+        if self.ranks.size > 1:
+            self.ranks.close()
+            raise ConfigError("kv_transfer_config: the KV tiers do not run at tensor parallel > 1 yet")
         kv = self.runner.kv_cache
         ctx = ConnectorContext(
             block_size=self.config.cache.block_size,
@@ -262,6 +269,7 @@ class EngineCore(OneCallUpdates):
 
     def step(self) -> EngineCoreOutputs:
         t0 = time.perf_counter()
+        self.ranks.check()  # a rank that died or hung ends the engine, naming it
         outputs, self._pending = self._pending, []
         if self._scheduling_allowed():
             outputs.extend(self._run_one_step())
@@ -295,7 +303,9 @@ class EngineCore(OneCallUpdates):
             return outputs
         prev = self._inflight
         try:
-            launched = self.runner.launch(sched, prev[1] if prev is not None else None)
+            launched = self.runner.launch(sched, prev[1] if prev is not None else None, self.ranks.peers)
+        except RankFailed:
+            raise  # the ranks are out of step: nothing more can run
         except Exception as e:  # one bad step must not take the engine down
             outputs.extend(self._finish_inflight())
             return outputs + self._fail_step(sched, e)
@@ -353,6 +363,7 @@ class EngineCore(OneCallUpdates):
         self._settle()
         if self._connector_busy():
             self.connector.wait_for_stores(self.runner.kv_cache)
+        self.ranks.close()
 
     def drain_stats(self) -> StatsSnapshot:
         return self.stats.drain()
@@ -461,7 +472,7 @@ class EngineCore(OneCallUpdates):
             self.memory_reports["sleep_kv_cache"] = self.memory.release_kv_cache()
             released = self.memory_reports["sleep_kv_cache"].bytes
             if not self.memory.keeps_addresses:
-                self.runner.memory_moved()
+                self.ranks.run("memory_moved")
             if "weights" in self._sleep_releases:
                 self.memory_reports["sleep_weights"] = self.memory.release_weights(backup=level == 1)
                 released += self.memory_reports["sleep_weights"].bytes
@@ -490,7 +501,7 @@ class EngineCore(OneCallUpdates):
         if "kv_cache" in tags:
             self.memory_reports["wake_kv_cache"] = self.memory.restore_kv_cache()
         if not self.memory.keeps_addresses:
-            self.runner.memory_moved()
+            self.ranks.run("memory_moved")
         self.stats.inc("wake_seconds", time.perf_counter() - t0)
         if self.memory.weights_released or self.memory.kv_released:
             return  # a staged wake: the rest comes with a later call
@@ -499,7 +510,7 @@ class EngineCore(OneCallUpdates):
         if not self.weights.whole:
             raise EngineStateError(f"the engine stays asleep: {self.weights.describe()}; {REPAIR}, then wake_up()")
         if not self.memory.keeps_addresses:
-            self.runner.recapture_graphs()  # after the weights are back: capture runs the model
+            self.ranks.run("recapture_graphs")  # after the weights are back: capture runs the model
         self._sleep_level = None
         self.stats.inc("wakes")
         self.resume()
@@ -543,13 +554,14 @@ class EngineCore(OneCallUpdates):
                 self._receive(info)
             except (WeightTransferError, UpdateFailed):
                 if opened and not self.weights.written:
-                    self.weights.close()  # nothing written: as if never called
+                    self.updater.close_update()  # nothing written: as if never called
                 raise
             return self.weight_version
         implicit = not self.weights.open
         if isinstance(weights, str):
-            weights = resolve_model(weights).iter_weights(self.runner.dtype, self.runner.device)
-        self.updater.write(weights)
+            self.updater.write_path(weights)
+        else:
+            self.updater.write(weights)
         if implicit:
             version = next_weight_version(self.weight_version) if weight_version is None else str(weight_version)
             self._set_weight_version(version)
@@ -576,7 +588,7 @@ class EngineCore(OneCallUpdates):
             raise EngineStateError(f"the weight update cannot finish: {self.weights.describe()}; {REPAIR}")
         if self.weights.open:
             changed = bool(self.weights.written)
-            self.weights.close()
+            self.updater.close_update()
             if changed or weight_version is not None:
                 version = next_weight_version(self.weight_version) if weight_version is None else str(weight_version)
                 self._set_weight_version(version)
@@ -590,14 +602,12 @@ class EngineCore(OneCallUpdates):
 
     def get_world_size(self) -> int:
         """Engine ranks in a weight-transfer group (the tensor-parallel size)."""
-        return 1
+        return self.ranks.size
 
     def reload_weights(self) -> None:
         """Re-read the weights of the model source (after a level-2 sleep with no update)."""
         self._settle()
-        self.runner.load_weights(
-            self.runner.model, self.source.iter_weights(self.runner.dtype, self.runner.device), complete=True
-        )
+        self.ranks.run("reload_weights")
         self.weights.wrote(set(self.weights.expected))
 
     def _set_weight_version(self, version: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,8 +33,11 @@ from siesta.core.sampler import (
 from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.core.staging import to_device_many
 from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
+from siesta.distributed.collectives import broadcast
+from siesta.distributed.processes import RankFailed
 from siesta.model.llama import CausalLM
 from siesta.model.loader import ModelSource
+from siesta.model.parallel import SINGLE, TensorParallel
 from siesta.request import PromptLogprobs, Request
 from siesta.tiers.base import KVConnector
 
@@ -65,6 +69,33 @@ class PromptRows:
     @property
     def top_n(self) -> int:
         return max(span.top_n for span in self.spans)
+
+
+@dataclass
+class StepPlan:
+    """A step as host arrays, with no Request in it: what the other tensor-parallel ranks are
+    sent (pickled, the arrays out of band) to run the very step rank 0 runs."""
+
+    starts: list[int]  # query start offsets, one per row and the end
+    seq_lens: list[int]
+    table: np.ndarray  # [rows, blocks] int32
+    slots: np.ndarray  # [tokens] int64
+    input_ids: np.ndarray  # [tokens] int64; 0 where the token is unseen
+    positions: np.ndarray  # [tokens] int64
+    logits_rows: np.ndarray  # [sampled] int64
+    unseen_at: np.ndarray  # [unseen] token indices whose id the previous step sampled
+    unseen_rows: np.ndarray  # [unseen] and the rows of the previous step that sampled them
+    prompt: tuple[np.ndarray, np.ndarray, list[PromptSpan], list[str]] | None = None  # see _prompt_rows
+
+    @property
+    def num_unseen(self) -> int:
+        return len(self.unseen_at)
+
+
+class StepPeers(Protocol):
+    """The other tensor-parallel ranks, as the model runner on rank 0 sees them."""
+
+    def launch(self, plan: StepPlan) -> None: ...
 
 
 @dataclass
@@ -102,8 +133,11 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, source: ModelSource, max_model_len: int, tp: TensorParallel = SINGLE
+    ) -> None:
         self.config = config
+        self.tp = tp
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.model.dtype, source.checkpoint_dtype, self.device)
         self.max_model_len = max_model_len
@@ -283,11 +317,27 @@ class ModelRunner:
         return self.launch(sched).results()
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None, peers: StepPeers | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling. A row whose input token ``prev`` sampled and
-        the host has not seen yet (the scheduler ran ahead of it) reads it on the device."""
+        the host has not seen yet (the scheduler ran ahead of it) reads it on the device.
+
+        ``peers``: the other tensor-parallel ranks, handed the step's plan once it is checked
+        (a step refused before that costs them nothing) to run it beside this rank."""
         if sched.is_empty:
             return LaunchedStep([], None)
+        plan, sampled = self._plan(sched, prev)
+        if peers is None:
+            return self._launch_planned(sched, plan, sampled, prev)
+        peers.launch(plan)
+        try:
+            return self._launch_planned(sched, plan, sampled, prev)
+        except Exception as e:
+            # The other ranks run this step's collectives: they cannot be taken back.
+            raise RankFailed(f"rank 0 failed a step the other ranks run too ({type(e).__name__}: {e})") from e
+
+    def _launch_planned(
+        self, sched: SchedulerOutput, plan: StepPlan, sampled: list[ScheduledRequest], prev: LaunchedStep | None
+    ) -> LaunchedStep:
         transfers = sched.transfers
         if transfers and self.device.type == "cuda":
             # The copies wait for what is queued before this forward: it neither reads the
@@ -296,7 +346,10 @@ class ModelRunner:
             mark = torch.cuda.Event()
             mark.record()
             transfers.mark(mark)
-        inputs = self._prepare(sched, prev)
+        unseen = None
+        if plan.num_unseen:
+            unseen = prev.samples.tokens[torch.from_numpy(plan.unseen_rows).to(self.device, non_blocking=True)]
+        inputs = self._device_inputs(plan, unseen, sampled)
         hidden = self._forward(inputs)
         if transfers:
             # Stores first: they read blocks the previous forward filled, on their own stream.
@@ -313,6 +366,19 @@ class ModelRunner:
         rows = [self._sampling_row(item.request) for item in inputs.sampled]
         samples = self.sampler.sample(logits, rows, prompt)
         return LaunchedStep([item.request.request_id for item in inputs.sampled], samples, prompt_ids)
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan) -> None:
+        """Another rank's step, as planned on rank 0: the same forward and the same collectives
+        (the head's gathers of sampled and scored rows), nothing sampled here."""
+        unseen = None
+        if plan.num_unseen:
+            unseen = torch.empty(plan.num_unseen, dtype=torch.long, device=self.device)
+        inputs = self._device_inputs(plan, unseen, [])
+        hidden = self._forward(inputs)
+        self._score_prompt(hidden, inputs.prompt)
+        if len(plan.logits_rows):
+            self.model.compute_logits(hidden[inputs.logits_rows])
 
     def _score_prompt(self, hidden: torch.Tensor, prompt: PromptRows | None) -> PromptScores | None:
         """Prompt logprobs of the step's scored rows: the LM head on those rows alone, in chunks."""
@@ -353,6 +419,15 @@ class ModelRunner:
                 graphs.capture()
 
     def _prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
+        """The step's device inputs on this (single) rank."""
+        plan, sampled = self._plan(sched, prev)
+        unseen = None
+        if plan.num_unseen:
+            unseen = prev.samples.tokens[torch.from_numpy(plan.unseen_rows).to(self.device, non_blocking=True)]
+        return self._device_inputs(plan, unseen, sampled)
+
+    def _plan(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> tuple[StepPlan, list[ScheduledRequest]]:
+        """The step as host arrays (what every rank needs), and the requests of its sampled rows."""
         items = sched.scheduled
         ids: list[int] = []
         unseen_at: list[int] = []  # token indices whose id is ``prev``'s sample, still on the device
@@ -387,17 +462,29 @@ class ModelRunner:
         # Each row's positions run from its first new token: seq_len - q_len onwards.
         pos = np.arange(starts[-1], dtype=np.int64) - np.repeat(np.asarray(starts[:-1]) - (np.asarray(seq_lens) - q_lens), q_lens)
         slots = table[row_of_token, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
-        host = [np.asarray(starts, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), table, slots,
-                np.asarray(ids, dtype=np.int64), pos, np.asarray(logits_rows, dtype=np.int64),
-                np.asarray(unseen_at, dtype=np.int64), np.asarray(unseen_rows, dtype=np.int64)]  # fmt: skip
-        prompt_host = _prompt_rows(scored) if scored else None
-        if prompt_host is not None:
-            host.extend(prompt_host[:2])
+        plan = StepPlan(
+            starts=starts, seq_lens=seq_lens, table=table, slots=slots, input_ids=np.asarray(ids, dtype=np.int64),
+            positions=pos, logits_rows=np.asarray(logits_rows, dtype=np.int64),
+            unseen_at=np.asarray(unseen_at, dtype=np.int64), unseen_rows=np.asarray(unseen_rows, dtype=np.int64),
+            prompt=_prompt_rows(scored) if scored else None,
+        )  # fmt: skip
+        return plan, sampled
+
+    def _device_inputs(self, plan: StepPlan, unseen: torch.Tensor | None, sampled: list[ScheduledRequest]) -> StepInputs:
+        """The plan's arrays on the device, one launch; ``unseen``: the ids of the unseen input
+        tokens, on the device (on the other ranks, received here from rank 0)."""
+        starts, seq_lens = plan.starts, plan.seq_lens
+        host = [np.asarray(starts, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), plan.table, plan.slots,
+                plan.input_ids, plan.positions, plan.logits_rows, plan.unseen_at]  # fmt: skip
+        if plan.prompt is not None:
+            host.extend(plan.prompt[:2])
         moved = to_device_many([torch.from_numpy(h) for h in host], self.device)
-        starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d, at_d, from_d = moved[:9]
-        prompt = None if prompt_host is None else PromptRows(*moved[9:], *prompt_host[2:])
-        if unseen_at:
-            ids_d[at_d] = prev.samples.tokens[from_d]
+        starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d, at_d = moved[:8]
+        prompt = None if plan.prompt is None else PromptRows(*moved[8:], *plan.prompt[2:])
+        if unseen is not None:
+            if self.tp.size > 1:
+                broadcast(self.tp, unseen)  # rank 0 sampled them; every rank embeds them
+            ids_d[at_d] = unseen
         meta = AttentionMetadata(
             query_start_loc=starts_d,
             seq_lens=seq_lens_d,

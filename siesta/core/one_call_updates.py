@@ -107,9 +107,9 @@ class OneCallUpdates:
         return self._one_call_update(lambda: self._receive(info, receiver), **options)
 
     def update_weights_from_disk(self: EngineCore, model_path: str, **options: Any) -> OneCallResult:
-        source = resolve_model(model_path)  # a path that is no model is refused before anything changes
+        resolve_model(model_path)  # a path that is no model is refused before anything changes
         return self._one_call_update(
-            lambda: self.updater.write(source.iter_weights(self.runner.dtype, self.runner.device)), **options
+            lambda: self.updater.write_path(model_path), **options
         )
 
     def update_weight_version(self: EngineCore, new_version: str, abort_all_requests: bool = True) -> str:
@@ -146,7 +146,7 @@ class OneCallUpdates:
         try:
             receive()
         finally:
-            self.weights.close()  # the call is the whole update: written tensors stay, torn or not
+            self.updater.close_update()  # the call is the whole update: written tensors stay, torn or not
         version = next_weight_version(self.weight_version) if weight_version is None else str(weight_version)
         self._new_kv_version(version)
         self._rename_weights(version)

@@ -37,7 +37,8 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     """The flags of ``vllm serve`` that siesta's own flags do not already spell the same way."""
     p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
                    default=True, help="vLLM's; on by default (--no-enable-prefix-caching turns it off)")  # fmt: skip
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1: tensor parallelism is not built yet")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (one process and one GPU each) that split every layer")  # fmt: skip
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) is the one siesta has")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="vLLM's; siesta logs no per-request lines in any case")  # fmt: skip
@@ -51,9 +52,8 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
 
 def check_vllm_flags(args: argparse.Namespace) -> None:
     """Refuse, by name and with the reason, what siesta understands but cannot do."""
-    if getattr(args, "tensor_parallel_size", 1) != 1:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not built yet, "
-                         "siesta serves from one device (leave it at 1)")  # fmt: skip
+    if getattr(args, "tensor_parallel_size", 1) < 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: give 1 or more ranks")
     if getattr(args, "kv_cache_dtype", "auto") not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: only auto (the model's dtype) is supported; "
                          "siesta has no fp8 KV cache")  # fmt: skip

@@ -38,7 +38,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     check_vllm_flags(args)
     keys = ["model", "tokenizer", "dtype", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization",
             "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
-            "async_scheduling", "max_waiting_requests", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend"]  # fmt: skip
+            "async_scheduling", "max_waiting_requests", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend",
+            "tensor_parallel_size"]  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 

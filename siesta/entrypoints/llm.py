@@ -42,6 +42,7 @@ class LLM:
         enforce_eager: bool = False,
         attention_backend: str = "auto",
         enable_sleep_mode: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.config = EngineConfig.from_flags(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
@@ -51,6 +52,7 @@ class LLM:
             kv_transfer_config=kv_transfer_config, weight_transfer_config=weight_transfer_config,
             device=device, enforce_eager=enforce_eager,
             attention_backend=attention_backend, enable_sleep_mode=enable_sleep_mode,
+            tensor_parallel_size=tensor_parallel_size,
         )  # fmt: skip
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.source.load_tokenizer()

@@ -100,9 +100,9 @@ def test_the_next_step_is_launched_before_the_last_is_read_back():
     runner = llm.engine.runner
     launch, results = runner.launch, LaunchedStep.results
 
-    def spy_launch(sched, prev=None):
+    def spy_launch(sched, prev=None, peers=None):
         events.append("launch")
-        return launch(sched, prev)
+        return launch(sched, prev, peers)
 
     def spy_results(self):
         events.append("read")

@@ -57,7 +57,7 @@ def test_sizes_take_units(size, expected):
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--tensor-parallel-size", "4"], "--tensor-parallel-size 4"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size 0"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
         (["--generation-config", "auto"], "--generation-config auto"),
         (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent"),
@@ -66,6 +66,12 @@ def test_sizes_take_units(size, expected):
 )
 def test_what_cannot_be_honoured_is_refused_by_name(flags, named, capsys):
     assert named in _refusal(["serve", *flags], capsys)
+
+
+def test_tensor_parallel_size_reaches_the_config():
+    assert _config(["serve", "--tensor-parallel-size", "2"]).parallel.tensor_parallel_size == 2
+    assert _config(["serve", "-tp", "4"]).parallel.tensor_parallel_size == 4
+    assert _config(["serve"]).parallel.tensor_parallel_size == 1
 
 
 def test_gpu_memory_utilization_on_the_cpu_says_it_does_nothing(capsys):

@@ -1,0 +1,121 @@
+"""Tensor parallelism in the engine: real rank processes on gloo, each holding its shard.
+
+The oracle is the same engine at tensor parallel 1 and transformers on the same weights; a
+trainer's push is checked against the trainer's own model. Ranks that die or hang are
+reported by name within a bound, and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from conftest import hf_twin
+from weight_transfer.test_weight_updates import assert_matches, trainer_model
+
+from siesta import LLM, SamplingParams
+from siesta.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from siesta.core.engine_core import EngineCore, EngineCoreRequest
+from siesta.distributed.processes import RankFailed
+from siesta.model.loader import resolve_model
+from siesta.weight_transfer import WeightSender
+
+PROMPTS = [[3, 17, 42, 7, 99, 5, 250, 11, 64, 8, 1, 300, 77, 21, 9, 4, 123, 56, 31, 2], [5, 6, 7, 8, 9, 10, 11]]
+STEPS = 8
+KV_BYTES = 16 << 20
+SHAPE = "tiny-llama"
+# A rank that died is known from its process at once; one that hangs after its heartbeats stop.
+HEARTBEAT_TIMEOUT_S = 2.0
+REPORT_BOUND_S = 15.0
+
+
+def greedy(llm: LLM, prompts=PROMPTS, steps: int = STEPS) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def hf_greedy_ids(hf, prompt: list[int], steps: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    llm = LLM(f"random:{SHAPE}", dtype="float32", kv_cache_bytes=KV_BYTES, tensor_parallel_size=2,
+              weight_transfer_config={"backend": "nccl"})  # fmt: skip
+    yield llm
+    llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM(f"random:{SHAPE}", dtype="float32", kv_cache_bytes=KV_BYTES)
+    return greedy(llm)
+
+
+def test_tensor_parallel_2_generates_what_1_and_transformers_do(tp2, reference):
+    assert tp2.engine.get_world_size() == 2
+    assert greedy(tp2) == reference
+    hf = hf_twin(resolve_model(f"random:{SHAPE}"))
+    assert [hf_greedy_ids(hf, p, STEPS) for p in PROMPTS] == reference
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_reach_every_rank(tp2, reference, level):
+    tp2.sleep(level=level)
+    tp2.wake_up()
+    assert greedy(tp2) == reference
+
+
+def test_a_trainer_push_reaches_every_rank(tp2, reference):
+    hf = trainer_model()
+    sender = WeightSender(tp2, "nccl", packed=True, bucket_bytes=64 << 10)
+    sender.init()
+    try:
+        sender.push(hf)
+        assert_matches(tp2, hf)
+    finally:
+        sender.close()
+    tp2.update_weights(resolve_model(f"random:{SHAPE}").iter_weights(torch.float32, "cpu"))  # tensors, in process
+    assert greedy(tp2) == reference
+
+
+def _engine(size: int) -> EngineCore:
+    config = EngineConfig(
+        model=ModelConfig(model=f"random:{SHAPE}", dtype="float32"),
+        cache=CacheConfig(kv_cache_bytes=KV_BYTES),
+        parallel=ParallelConfig(tensor_parallel_size=size, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S),
+        device="cpu",
+    )
+    return EngineCore(config)
+
+
+def _generate(engine: EngineCore, rid: str) -> None:
+    engine.add_request(EngineCoreRequest(rid, PROMPTS[0], SamplingParams(temperature=0, max_tokens=STEPS)))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.parametrize(("sig", "said"), [(signal.SIGKILL, "rank 1 died (killed by SIGKILL)"),
+                                           (signal.SIGSTOP, "rank 1 is hung")])  # fmt: skip
+def test_a_rank_that_dies_or_hangs_is_reported_by_name_within_a_bound(sig, said):
+    engine = _engine(2)
+    try:
+        _generate(engine, "before")
+        pid = engine.ranks.procs.pids[1]
+        os.kill(pid, sig)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailed, match=re.escape(said)):
+            while time.monotonic() - t0 < REPORT_BOUND_S * 2:
+                _generate(engine, f"after-{time.monotonic()}")
+                time.sleep(0.1)
+        assert time.monotonic() - t0 < REPORT_BOUND_S
+    finally:
+        engine.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # gone, and reaped
