@@ -205,7 +205,7 @@ class Scheduler:
             self._join_loaded()
 
     def _admit(self, request: Request, num_cached: int, num_external: int, joins_running: bool = True) -> None:
-        if request.num_cached_tokens < 0:  # its first scheduling; a preempted request comes back here
+        if request.num_cached_tokens < 0:  # first scheduling only: a preempted request, admitted again, skips this
             request.num_cached_tokens = num_cached + num_external
             self.stats.inc("prompt_tokens", request.num_prompt_tokens)
             self.stats.observe("request_queue_time_seconds", time.monotonic() - request.arrival_time)
