@@ -735,11 +735,18 @@ def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
 
 def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
     llm = _llm(args, gpu_memory_utilization=0.85)
+    # The pinned backup is made in the background from start-up on; an RL loop generates for
+    # longer than that before it first sleeps. How long it took after start-up is reported.
+    backup = llm.engine.memory.backup
+    t0 = time.perf_counter()
+    backup.settle()
+    backup_info = {"background": llm.config.background_weight_backup(), "ready_after_start_s": time.perf_counter() - t0,
+                   "prepare_s": backup.prepare_s, "bytes": backup.nbytes}  # fmt: skip
     free0, total = torch.cuda.mem_get_info()
     engine_bytes = llm.engine.memory.weight_bytes + llm.engine.memory.kv_bytes
     out: dict[str, Any] = {"engine_bytes": engine_bytes, "free_before_GiB": free0 / 2**30, "total_GiB": total / 2**30,
-                           "keeps_addresses": llm.engine.memory.keeps_addresses}  # fmt: skip
-    for rep in ("first", "second"):  # the first sleep also allocates the pinned backup
+                           "keeps_addresses": llm.engine.memory.keeps_addresses, "backup": backup_info}  # fmt: skip
+    for rep in ("first", "second"):  # with weight_backup=first_sleep the first sleep makes the backup
         m0 = llm.get_metrics()
         t0 = time.perf_counter()
         llm.sleep(level=1)
@@ -757,6 +764,7 @@ def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
         out[rep] = {"freed_fraction": (free1 - free0) / engine_bytes, "sleep_call_s": sleep_s, "wake_call_s": wake_s,
                     "memory_sleep_s": mem_sleep, "memory_wake_s": mem_wake,
                     "parts_s": {k: r.seconds for k, r in reports.items()},
+                    "backup_wait_s": reports["sleep_weights"].waited_s,
                     "weights_GB_s_sleep": reports["sleep_weights"].gb_per_s,
                     "weights_GB_s_wake": reports["wake_weights"].gb_per_s,
                     "free_asleep_GiB": free1 / 2**30, "free_after_GiB": free2 / 2**30}  # fmt: skip
