@@ -25,6 +25,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+WEIGHT_BACKUP_MODES = ("auto", "background", "first_sleep")
 
 
 class ConfigError(ValueError):
@@ -249,6 +250,11 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str | None = None  # None: cuda when available, else cpu
     enable_sleep_mode: bool = True
+    # When the level-1 sleep's host backup of the weights is made (pinned, on CUDA):
+    # "background" from start-up on, in a thread, so the first sleep is as fast as the rest;
+    # "first_sleep" by the first sleep, holding no host memory until then; "auto" is
+    # background on CUDA with sleep mode on, else first_sleep.
+    weight_backup: str = "auto"
     # CUDA graphs for decode; ignored on CPU.
     enforce_eager: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
@@ -303,6 +309,12 @@ class EngineConfig:
             enable_sleep_mode=enable_sleep_mode,
         )
 
+    def background_weight_backup(self) -> bool:
+        """Whether the weights' sleep backup is made at start-up, in the background."""
+        if self.weight_backup == "auto":
+            return self.enable_sleep_mode and self.torch_device().type == "cuda"
+        return self.weight_backup == "background"
+
     def torch_device(self) -> torch.device:
         if self.device is not None:
             return torch.device(self.device)
@@ -327,5 +339,7 @@ class EngineConfig:
             self.kv_transfer.validate()
         self.weight_transfer.validate()
         self.parallel.validate(self.torch_device())
+        if self.weight_backup not in WEIGHT_BACKUP_MODES:
+            raise ConfigError(f"weight_backup must be one of {', '.join(WEIGHT_BACKUP_MODES)}, got {self.weight_backup!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

@@ -3,6 +3,10 @@
 The engine core counts into ``EngineStats`` (plain numbers, cheap to send over
 IPC); the frontend applies each drained snapshot to its ``MetricsRegistry``,
 which prometheus_client renders for ``/metrics`` and ``LLM.get_metrics()``.
+
+Beside siesta's own ``siesta_`` names the registry serves vLLM's ``vllm:`` names
+for the stats both engines have (``VLLM_ALIASES``), so that dashboards built for
+vLLM read siesta unchanged. Each stat is applied once and feeds every name it has.
 """
 
 from __future__ import annotations
@@ -23,6 +27,25 @@ _STEP_BUCKET_FIRST_S = 0.0005
 _STEP_BUCKET_RATIO = 1.5
 _STEP_BUCKET_COUNT = 28
 _STEP_BUCKETS = tuple(round(_STEP_BUCKET_FIRST_S * _STEP_BUCKET_RATIO**i, 6) for i in range(_STEP_BUCKET_COUNT))
+# Sleeps and wake-ups take from milliseconds (level 0, a kept KV cache) to tens of seconds (the
+# first pin of a 16 GB weight backup): the step buckets span that, each bound within 1.5x.
+_SLEEP_WAKE_BUCKETS = _STEP_BUCKETS
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), kept as vLLM has them so that its dashboards'
+# quantiles read the same from either engine.
+_VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                      20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                     40.0, 80.0)  # fmt: skip
+_VLLM_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# vLLM labels every series with the served model and the engine core's index; siesta serves
+# one engine core per API server.
+VLLM_LABELS = ("model_name", "engine")
+VLLM_ENGINE_INDEX = "0"
+# Values of finished_reason (RequestStatus's finished values). As vLLM does, every one has a
+# vllm:request_success series from the start, so a rate over it never begins missing.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 @dataclass(frozen=True)
@@ -61,6 +84,16 @@ SPECS: dict[str, MetricSpec] = {
         MetricSpec("wakes", "counter", "Completed wake-ups."),
         MetricSpec("sleep_seconds", "counter", "Seconds spent releasing device memory for sleep."),
         MetricSpec("wake_seconds", "counter", "Seconds spent restoring device memory on wake-up."),
+        MetricSpec("sleep_duration_seconds", "histogram",
+                   "Seconds one sleep spent releasing device memory (what sleep_seconds sums), by level.",
+                   ("level",), buckets=_SLEEP_WAKE_BUCKETS),
+        MetricSpec("wake_duration_seconds", "histogram",
+                   "Seconds one wake-up call spent restoring device memory (what wake_seconds sums), "
+                   "by the tags it restored.", ("tags",), buckets=_SLEEP_WAKE_BUCKETS),
+        MetricSpec("last_sleep_seconds", "gauge", "Seconds the latest sleep of each level spent releasing device memory.",
+                   ("level",)),
+        MetricSpec("last_wake_seconds", "gauge", "Seconds the latest wake-up call spent restoring device memory, "
+                   "by the tags it restored.", ("tags",)),
         MetricSpec("device_bytes_released", "gauge", "Device bytes released by the latest sleep."),
         MetricSpec("weight_updates", "counter", "Weight updates applied."),
         MetricSpec("weight_transfer_bytes", "counter", "Bytes of weights received from a trainer.", ("backend",)),
@@ -74,7 +107,42 @@ SPECS: dict[str, MetricSpec] = {
         MetricSpec("time_to_first_token_seconds", "histogram", "Arrival to first token."),
         MetricSpec("inter_token_latency_seconds", "histogram", "Time between consecutive output tokens."),
         MetricSpec("e2e_request_latency_seconds", "histogram", "Arrival to finish."),
+        MetricSpec("request_queue_time_seconds", "histogram",
+                   "Arrival at the engine core to first scheduled (paused and asleep time included)."),
     ]
+}
+
+
+@dataclass(frozen=True)
+class VllmAlias:
+    """vLLM's name for a siesta stat: same kind and labels, plus ``VLLM_LABELS``."""
+
+    name: str  # as vLLM declares it: counters without _total
+    buckets: tuple[float, ...] | None = None  # vLLM's, for histograms
+
+
+# siesta stat -> its vLLM names. The counters and gauges are vLLM's for the same quantity;
+# vLLM's own dashboard still reads time_per_output_token_seconds, which vLLM fed with the
+# inter-token latencies before renaming it inter_token_latency_seconds.
+VLLM_ALIASES: dict[str, tuple[VllmAlias, ...]] = {
+    "prompt_tokens": (VllmAlias("vllm:prompt_tokens"),),
+    "generation_tokens": (VllmAlias("vllm:generation_tokens"),),
+    "prefix_cache_queries": (VllmAlias("vllm:prefix_cache_queries"),),
+    "prefix_cache_hits": (VllmAlias("vllm:prefix_cache_hits"),),
+    "external_prefix_cache_queries": (VllmAlias("vllm:external_prefix_cache_queries"),),
+    "external_prefix_cache_hits": (VllmAlias("vllm:external_prefix_cache_hits"),),
+    "request_success": (VllmAlias("vllm:request_success"),),
+    "num_preemptions": (VllmAlias("vllm:num_preemptions"),),
+    "num_requests_running": (VllmAlias("vllm:num_requests_running"),),
+    "num_requests_waiting": (VllmAlias("vllm:num_requests_waiting"),),
+    "kv_cache_usage_perc": (VllmAlias("vllm:kv_cache_usage_perc"),),
+    "time_to_first_token_seconds": (VllmAlias("vllm:time_to_first_token_seconds", _VLLM_TTFT_BUCKETS),),
+    "inter_token_latency_seconds": (
+        VllmAlias("vllm:inter_token_latency_seconds", _VLLM_ITL_BUCKETS),
+        VllmAlias("vllm:time_per_output_token_seconds", _VLLM_ITL_BUCKETS),
+    ),
+    "e2e_request_latency_seconds": (VllmAlias("vllm:e2e_request_latency_seconds", _VLLM_REQUEST_LATENCY_BUCKETS),),
+    "request_queue_time_seconds": (VllmAlias("vllm:request_queue_time_seconds", _VLLM_REQUEST_LATENCY_BUCKETS),),
 }
 
 LabelKey = tuple[str, tuple[tuple[str, str], ...]]
@@ -129,43 +197,98 @@ class EngineStats:
         return snap
 
 
-class MetricsRegistry:
-    """Frontend-side prometheus metrics, fed by ``StatsSnapshot``s and by the frontend's own timings."""
+Metric = Counter | Gauge | Histogram
 
-    def __init__(self) -> None:
+
+def _make(spec: MetricSpec, name: str, labels: tuple[str, ...], buckets: tuple[float, ...],
+          registry: CollectorRegistry) -> Metric:  # fmt: skip
+    if spec.kind == "counter":
+        return Counter(name, spec.help, labels, registry=registry)
+    if spec.kind == "gauge":
+        return Gauge(name, spec.help, labels, registry=registry)
+    return Histogram(name, spec.help, labels, buckets=buckets, registry=registry)
+
+
+class MetricsRegistry:
+    """Frontend-side prometheus metrics, fed by ``StatsSnapshot``s and by the frontend's own timings.
+
+    ``model_name`` is vLLM's label of the ``vllm:`` series: the served model name. A server
+    learns it once its engine is up (``set_model_name``), before it serves a request.
+    """
+
+    def __init__(self, model_name: str = "") -> None:
         disable_created_metrics()  # as vLLM: no _created timestamp series beside the counters
         self.registry = CollectorRegistry()
-        self._metrics: dict[str, Counter | Gauge | Histogram] = {}
+        self._metrics: dict[str, Metric] = {}
+        # stat -> its vLLM-named metrics, each labelled VLLM_LABELS + the stat's own labels
+        self._vllm: dict[str, list[Metric]] = {}
         for spec in SPECS.values():
-            full = PREFIX + spec.name
-            if spec.kind == "counter":
-                m = Counter(full, spec.help, spec.labels, registry=self.registry)
-            elif spec.kind == "gauge":
-                m = Gauge(full, spec.help, spec.labels, registry=self.registry)
-            else:
-                m = Histogram(full, spec.help, spec.labels, buckets=spec.buckets, registry=self.registry)
-            self._metrics[spec.name] = m
+            self._metrics[spec.name] = _make(spec, PREFIX + spec.name, spec.labels, spec.buckets, self.registry)
+            self._vllm[spec.name] = [
+                _make(spec, alias.name, VLLM_LABELS + spec.labels, alias.buckets or spec.buckets, self.registry)
+                for alias in VLLM_ALIASES.get(spec.name, ())
+            ]
         self._metrics["engine_alive"].set(1.0)
+        self.model_name = model_name
+        self._vllm_written = False
+        self._declare_vllm_series()
 
-    def _child(self, name: str, labels: list[tuple[str, str]] | tuple[tuple[str, str], ...]):
+    def set_model_name(self, model_name: str) -> None:
+        """Label the vllm: series with the served model name; refused once they hold data
+        under another name (they would split into two models' series)."""
+        if model_name == self.model_name:
+            return
+        if self._vllm_written:
+            raise RuntimeError(f"the vllm: series already count under model_name={self.model_name!r}; "
+                               "set the served model name before the engine reports stats")  # fmt: skip
+        for metrics in self._vllm.values():
+            for m in metrics:
+                m.clear()
+        self.model_name = model_name
+        self._declare_vllm_series()
+
+    def _declare_vllm_series(self) -> None:
+        """Every vllm: series exists from the start, at zero, as vLLM creates them."""
+        for name, metrics in self._vllm.items():
+            spec = SPECS[name]
+            label_sets = [{"finished_reason": r} for r in FINISHED_REASONS] if spec.labels == ("finished_reason",) else []
+            if spec.labels and not label_sets:
+                continue  # an open label set: its series appear with their first sample
+            for m in metrics:
+                for labels in label_sets or [{}]:
+                    m.labels(model_name=self.model_name, engine=VLLM_ENGINE_INDEX, **labels)
+
+    def _children(self, name: str, labels: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> list:
+        """The stat's siesta series and each of its vLLM-named series, for these labels."""
+        own = dict(labels)
         m = self._metrics[name]
-        return m.labels(**dict(labels)) if labels else m
+        children = [m.labels(**own) if own else m]
+        if self._vllm[name]:
+            self._vllm_written = True
+            vllm_labels = {"model_name": self.model_name, "engine": VLLM_ENGINE_INDEX, **own}
+            children.extend(v.labels(**vllm_labels) for v in self._vllm[name])
+        return children
 
     def apply(self, snap: StatsSnapshot) -> None:
         for name, labels, value in snap.counters:
-            self._child(name, labels).inc(value)
+            for child in self._children(name, labels):
+                child.inc(value)
         for name, labels, value in snap.gauges:
-            self._child(name, labels).set(value)
+            for child in self._children(name, labels):
+                child.set(value)
         for name, labels, value in snap.observations:
-            self._child(name, labels).observe(value)
+            for child in self._children(name, labels):
+                child.observe(value)
 
     def observe(self, name: str, value: float, **labels: str) -> None:
-        self._child(name, tuple(labels.items())).observe(value)
+        for child in self._children(name, tuple(labels.items())):
+            child.observe(value)
 
     def engine_died(self) -> None:
         """The engine is gone: what it last reported running, waiting and holding is not so."""
         for name in _ENGINE_GAUGES:
-            self._metrics[name].set(0.0)
+            for child in self._children(name, ()):
+                child.set(0.0)
 
     def as_dict(self) -> dict[str, float]:
         """Sample name (with labels, Prometheus style) -> value; ``_created`` timestamps left out."""

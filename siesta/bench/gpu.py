@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from siesta.bench.common import print_table, random_prompts
+from siesta.bench.resume_http import DEFAULT_TOKENIZER
 from siesta.bench.weight_transfer import summary_rows as weight_transfer_rows
 from siesta.bench.weight_transfer import weight_transfer
 
@@ -312,6 +313,36 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         "kept_load_floor_s": load_bytes / LINK_BYTES_PER_S,
         "kv_blocks": runner.kv_cache.num_blocks,
         "reserved_GiB": torch.cuda.memory_reserved() / 2**30 if torch.cuda.is_available() else 0.0,
+    }
+
+
+def resume_http(args: argparse.Namespace) -> dict[str, Any]:
+    """The seed's own client over HTTP against ``siesta serve`` (both arms), then the in-process
+    experiment (``resume``) at the same prompt length, in this one run: how much the HTTP path
+    adds to a kept-tier replay."""
+    from siesta.bench.resume_http import ServeOptions, measure, seed_prompt_tokens
+
+    options = ServeOptions(model=args.model, tokenizer=args.http_tokenizer, max_model_len=args.max_model_len,
+                           max_num_batched_tokens=args.max_num_batched_tokens, tier_block_size=args.tier_block_size,
+                           tier_bytes=args.tier_bytes, device=args.device, kv_cache_bytes=args.http_kv_cache_bytes)  # fmt: skip
+    tokens = seed_prompt_tokens(args.http_tokenizer, args.http_prompt_words)
+    http = measure(options, args.resume_requests, args.http_prompt_words)
+    gc.collect()
+    in_process = resume(argparse.Namespace(**(vars(args) | {"resume_tokens": tokens})))
+    kept_http = http["seed_client"]["kept"]["replay_p50_s"]
+    return {
+        "requests": args.resume_requests,
+        "prompt_words": args.http_prompt_words,
+        "prompt_tokens": tokens,
+        "http": http,
+        "in_process": in_process,
+        "seed_client_speedup_p50": http["speedup_p50"],
+        "in_process_speedup_p50": in_process["speedup_p50"],
+        # Goal <= 1.15: the HTTP path adds almost nothing to a kept-tier replay.
+        "kept_replay_http_over_in_process": kept_http / in_process["kept"]["replay_p50_s"],
+        # The kept arm's warm-up hits the device prefix cache (the cleared arm's replay left it
+        # there): over HTTP that is the API path's own cost plus one extend and the decodes.
+        "kept_warm_http_p50_s": http["seed_client"]["kept"]["warm_p50_s"],
     }
 
 
@@ -704,11 +735,18 @@ def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
 
 def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
     llm = _llm(args, gpu_memory_utilization=0.85)
+    # The pinned backup is made in the background from start-up on; an RL loop generates for
+    # longer than that before it first sleeps. How long it took after start-up is reported.
+    backup = llm.engine.memory.backup
+    t0 = time.perf_counter()
+    backup.settle()
+    backup_info = {"background": llm.config.background_weight_backup(), "ready_after_start_s": time.perf_counter() - t0,
+                   "prepare_s": backup.prepare_s, "bytes": backup.nbytes}  # fmt: skip
     free0, total = torch.cuda.mem_get_info()
     engine_bytes = llm.engine.memory.weight_bytes + llm.engine.memory.kv_bytes
     out: dict[str, Any] = {"engine_bytes": engine_bytes, "free_before_GiB": free0 / 2**30, "total_GiB": total / 2**30,
-                           "keeps_addresses": llm.engine.memory.keeps_addresses}  # fmt: skip
-    for rep in ("first", "second"):  # the first sleep also allocates the pinned backup
+                           "keeps_addresses": llm.engine.memory.keeps_addresses, "backup": backup_info}  # fmt: skip
+    for rep in ("first", "second"):  # with weight_backup=first_sleep the first sleep makes the backup
         m0 = llm.get_metrics()
         t0 = time.perf_counter()
         llm.sleep(level=1)
@@ -726,6 +764,7 @@ def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
         out[rep] = {"freed_fraction": (free1 - free0) / engine_bytes, "sleep_call_s": sleep_s, "wake_call_s": wake_s,
                     "memory_sleep_s": mem_sleep, "memory_wake_s": mem_wake,
                     "parts_s": {k: r.seconds for k, r in reports.items()},
+                    "backup_wait_s": reports["sleep_weights"].waited_s,
                     "weights_GB_s_sleep": reports["sleep_weights"].gb_per_s,
                     "weights_GB_s_wake": reports["wake_weights"].gb_per_s,
                     "free_asleep_GiB": free1 / 2**30, "free_after_GiB": free2 / 2**30}  # fmt: skip
@@ -739,6 +778,7 @@ def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "correctness": correctness,
     "resume": resume,
+    "resume_http": resume_http,
     "decode": decode,
     "prefill": prefill,
     "sleep_wake": sleep_wake,
@@ -751,7 +791,8 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "step_io": step_io,
     "decode_kernels": decode_kernels,
 }
-DIAGNOSTIC_SECTIONS = ("resume_trace", "decode_trace", "step_io", "decode_kernels")  # run by name only
+# Run by name only: diagnostics, and resume_http, which runs the resume section again beside the server.
+DIAGNOSTIC_SECTIONS = ("resume_http", "resume_trace", "decode_trace", "step_io", "decode_kernels")
 
 
 def summary(results: dict[str, Any]) -> list[list[Any]]:
@@ -777,6 +818,11 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
     rows.append(["resume kept vs cleared (p50 speedup)", get("resume", "speedup_p50"),
                  f"goal >= 15x; {get('resume', 'speedup_p50_eager_mixed', default=0) or 0:.1f}x with eager mixed steps, "
                  f"{get('resume', 'speedup_p50_kept_sync', default=0) or 0:.1f}x kept without async scheduling"])
+    if isinstance(results.get("resume_http"), dict) and "http" in results["resume_http"]:
+        rows.append(["seed client over HTTP (p50 speedup)", get("resume_http", "seed_client_speedup_p50"),
+                     f"goal >= 15x; in process {get('resume_http', 'in_process_speedup_p50', default=0) or 0:.1f}x"])
+        rows.append(["kept replay p50, HTTP / in process", get("resume_http", "kept_replay_http_over_in_process"),
+                     "goal <= 1.15"])  # fmt: skip
     rows.append(["mixed step ms, eager / piecewise graphs", f"{get('mixed_step', 'extend_decode4', 'eager', 'wall_ms', default=0) or 0:.1f} / "
                  f"{get('mixed_step', 'extend_decode4', 'engine', 'wall_ms', default=0) or 0:.1f}", "44-token extend + 4 decodes"])  # fmt: skip
     rows.append(["tier store / load GB/s", f"{get('transfers', 'store_GB_s', default=0) or 0:.1f} / "
@@ -785,6 +831,9 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
                  " / ".join(f"{get('store_overlap', arm, 'slowdown', default=0) or 0:.1%}"
                             for arm in ("entries", "scattered", "entries_fed")), "goal <= 5%"])  # fmt: skip
     rows.append(["sleep freed fraction", get("sleep_wake", "freed_fraction"), "goal >= 0.95"])
+    for what in ("sleep", "wake"):
+        first, second = (get("sleep_wake", rep, f"{what}_call_s", default=0) or 0 for rep in ("first", "second"))
+        rows.append([f"{what} s, first / second", f"{first:.2f} / {second:.2f}", "goal <= 0.5" if what == "sleep" else ""])
     rows.append(["sleep / wake weights GB/s", f"{get('sleep_wake', 'weights_GB_s_sleep', default=0) or 0:.1f} / "
                  f"{get('sleep_wake', 'weights_GB_s_wake', default=0) or 0:.1f}", "goal >= 40"])  # fmt: skip
     if isinstance(results.get("weight_transfer"), dict):
@@ -810,6 +859,9 @@ def main() -> None:
     ap.add_argument("--tier-block-size", type=int, default=128)
     ap.add_argument("--tier-bytes", type=int, default=48 << 30)
     ap.add_argument("--load-window-mib", type=int, default=None, help="the tier's load window (default: its own)")
+    ap.add_argument("--http-tokenizer", default=str(DEFAULT_TOKENIZER), help="resume_http: siesta serve's --tokenizer")
+    ap.add_argument("--http-prompt-words", type=int, default=2900, help="resume_http: the seed client's --prompt-tokens")
+    ap.add_argument("--http-kv-cache-bytes", type=int, default=None, help="resume_http: the server's KV (CPU runs)")
     ap.add_argument("--transfer-blocks", type=int, default=2048)
     ap.add_argument("--json", default=None)
     ap.add_argument("--time-budget-s", type=float, default=420.0, help="start no section after this")

@@ -8,7 +8,10 @@ resized to nothing and back; tensors keep their identity but not their
 addresses, so graphs are recaptured after a wake.
 
 Level 1 backs the weights up to host memory first (pinned on CUDA, for DMA at
-link speed); level 2 releases them without a backup.
+link speed); level 2 releases them without a backup. The backup's memory is a
+``HostBackup``: with ``background_backup`` it is made and pinned in a thread from
+construction on (after the engine captured its graphs), so the first sleep finds it
+ready; otherwise the first level-1 sleep makes it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from siesta.attention.base import KVCache
+from siesta.core.host_backup import HostBackup, cuda_pinner
 from siesta.core.vmm import VirtualArena
 
 
@@ -29,10 +33,21 @@ class MemoryReport:
 
     bytes: int = 0
     seconds: float = 0.0
+    waited_s: float = 0.0  # of ``seconds``: waiting for the host backup's memory to be made
 
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def make_backup(nbytes: int, device: torch.device, background: bool) -> HostBackup:
+    """Pinned on CUDA (DMA at link speed), plain host memory on the CPU."""
+    return HostBackup(nbytes, cuda_pinner(device) if device.type == "cuda" else None, background)
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over all of ``storage``."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _unique_storages(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
@@ -46,16 +61,18 @@ def _unique_storages(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
 class SleepableMemory:
     keeps_addresses = False
 
-    def __init__(self, weights: list[torch.Tensor], kv_cache: KVCache, device: torch.device) -> None:
+    def __init__(self, weights: list[torch.Tensor], kv_cache: KVCache, device: torch.device,
+                 background_backup: bool = False) -> None:  # fmt: skip
         self.device = device
         self._weights = _unique_storages(weights)
         self._weight_sizes = [s.nbytes() for s in self._weights]
+        self._offsets = [sum(self._weight_sizes[:i]) for i in range(len(self._weight_sizes))]
         self._kv = kv_cache.tensor.untyped_storage()
         self._kv_size = self._kv.nbytes()
         # A CPU cache in an anonymous mapping keeps its address: its pages are dropped instead
         # (they read as zeros afterwards, which is what a restored cache must hold).
         self._kv_map = kv_cache.host_map
-        self._backup: list[torch.UntypedStorage] | None = None
+        self.backup = make_backup(self.weight_bytes, device, background_backup)
         self._has_backup = False  # the backup holds the current weights
         self.weights_released = False
         self.kv_released = False
@@ -72,19 +89,19 @@ class SleepableMemory:
         if self.weights_released:
             return MemoryReport()
         t0 = time.perf_counter()
+        waited = 0.0
+        self.backup.settle()  # a wake-up may recapture graphs: no pinning may run by then
         if backup:
-            # Pinned buffers are slow to allocate: the first sleep makes them, later ones reuse them.
-            if self._backup is None:
-                self._backup = [self._host_buffer(s.nbytes()) for s in self._weights]
-            for host, storage in zip(self._backup, self._weights):
-                host.copy_(storage, non_blocking=self.device.type == "cuda")
+            waited = self.backup.wait()
+            for offset, storage in zip(self._offsets, self._weights):
+                self.backup.store(_bytes_of(storage), offset, non_blocking=self.device.type == "cuda")
             self._has_backup = True
             self._sync()
         for storage in self._weights:
             storage.resize_(0)
         self.weights_released = True
         self._return_to_device()
-        return MemoryReport(self.weight_bytes, time.perf_counter() - t0)
+        return MemoryReport(self.weight_bytes, time.perf_counter() - t0, waited)
 
     def restore_weights(self) -> tuple[MemoryReport, bool]:
         """Re-allocate weight storage; returns whether its contents were restored from a backup."""
@@ -95,8 +112,8 @@ class SleepableMemory:
             storage.resize_(size)
         restored = self._has_backup
         if restored:
-            for storage, host in zip(self._weights, self._backup):
-                storage.copy_(host, non_blocking=True)
+            for offset, storage in zip(self._offsets, self._weights):
+                self.backup.load(_bytes_of(storage), offset, non_blocking=True)
             self._sync()
             self._has_backup = False
         self.weights_released = False
@@ -106,6 +123,7 @@ class SleepableMemory:
         if self.kv_released:
             return MemoryReport()
         t0 = time.perf_counter()
+        self.backup.settle()
         if self._kv_map is not None:
             self._kv_map.madvise(mmap.MADV_DONTNEED)
         else:
@@ -125,9 +143,6 @@ class SleepableMemory:
         self.kv_released = False
         return MemoryReport(self._kv_size, time.perf_counter() - t0)
 
-    def _host_buffer(self, nbytes: int) -> torch.UntypedStorage:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda").untyped_storage()
-
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -143,10 +158,10 @@ class ArenaMemory:
 
     keeps_addresses = True
 
-    def __init__(self, weights: VirtualArena, kv_cache: VirtualArena) -> None:
+    def __init__(self, weights: VirtualArena, kv_cache: VirtualArena, background_backup: bool = False) -> None:
         self.device = weights.device
         self._weights, self._kv = weights, kv_cache
-        self._backup: torch.Tensor | None = None
+        self.backup = make_backup(weights.nbytes, self.device, background_backup)
         self._has_backup = False
 
     @property
@@ -169,13 +184,14 @@ class ArenaMemory:
         if self.weights_released:
             return MemoryReport()
         t0 = time.perf_counter()
+        waited = 0.0
+        self.backup.settle()
         if backup:
-            if self._backup is None:  # pinned memory is slow to allocate: made once, reused
-                self._backup = torch.empty(self._weights.nbytes, dtype=torch.uint8, pin_memory=True)
-            self._backup.copy_(self._weights.tensor, non_blocking=True)
+            waited = self.backup.wait()
+            self.backup.store(self._weights.tensor, non_blocking=True)
             self._has_backup = True
         self._weights.unmap()  # synchronizes first, so the backup copy has landed
-        return MemoryReport(self.weight_bytes, time.perf_counter() - t0)
+        return MemoryReport(self.weight_bytes, time.perf_counter() - t0, waited)
 
     def restore_weights(self) -> tuple[MemoryReport, bool]:
         if not self.weights_released:
@@ -184,7 +200,7 @@ class ArenaMemory:
         self._weights.map()
         restored = self._has_backup
         if restored:
-            self._weights.tensor.copy_(self._backup, non_blocking=True)
+            self.backup.load(self._weights.tensor, non_blocking=True)
             torch.cuda.synchronize(self.device)
             self._has_backup = False
         return MemoryReport(self.weight_bytes, time.perf_counter() - t0), restored
@@ -193,6 +209,7 @@ class ArenaMemory:
         if self.kv_released:
             return MemoryReport()
         t0 = time.perf_counter()
+        self.backup.settle()
         self._kv.unmap()
         return MemoryReport(self.kv_bytes, time.perf_counter() - t0)
 

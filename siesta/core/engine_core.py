@@ -177,7 +177,10 @@ class EngineCore(OneCallUpdates):
             raise RequestRejected("request ids repeat within one request")
         for req in reqs:
             self._validate(req)
+        now = time.monotonic()
         for req in reqs:
+            # Stamped by the core, where the queue is: queue time counts from here, paused time included.
+            req.arrival_time = now
             if self._pause_mode is not None:
                 self._held.append(req)
             else:
@@ -191,6 +194,7 @@ class EngineCore(OneCallUpdates):
             sampling_params=req.sampling_params,
             eos_token_ids=self.eos_token_ids,
             cache_salt=req.cache_salt,
+            arrival_time=req.arrival_time,
         )
         request.hash_extra = self._hash_extra(req.cache_salt)
         self.scheduler.add_request(request)
@@ -479,9 +483,15 @@ class EngineCore(OneCallUpdates):
                 if level == 2:
                     self.weights.released()
         self.stats.inc("sleeps", level=str(level))
-        self.stats.inc("sleep_seconds", time.perf_counter() - t0)
+        self._record_memory_seconds("sleep", time.perf_counter() - t0, level=str(level))
         self.stats.set("device_bytes_released", released)
         logger.info("asleep at level %d: released %.2f GiB in %.2fs", level, released / 2**30, time.perf_counter() - t0)
+
+    def _record_memory_seconds(self, what: str, seconds: float, **labels: str) -> None:
+        """One sleep's or wake-up call's device-memory seconds: summed, per call (p50) and the last."""
+        self.stats.inc(f"{what}_seconds", seconds)
+        self.stats.observe(f"{what}_duration_seconds", seconds, **labels)
+        self.stats.set(f"last_{what}_seconds", seconds, **labels)
 
     def is_sleeping(self) -> bool:
         return self._sleep_level is not None
@@ -502,7 +512,7 @@ class EngineCore(OneCallUpdates):
             self.memory_reports["wake_kv_cache"] = self.memory.restore_kv_cache()
         if not self.memory.keeps_addresses:
             self.ranks.run("memory_moved")
-        self.stats.inc("wake_seconds", time.perf_counter() - t0)
+        self._record_memory_seconds("wake", time.perf_counter() - t0, tags=",".join(sorted(set(tags))))
         if self.memory.weights_released or self.memory.kv_released:
             return  # a staged wake: the rest comes with a later call
         if self.weights.only_released:

@@ -19,6 +19,7 @@ from siesta.config import EngineConfig, resolve_dtype
 from siesta.core import staging
 from siesta.core.cuda_graphs import DecodeGraphs
 from siesta.core.device_memory import ArenaMemory, SleepableMemory
+from siesta.core.host_backup import CAPTURE_LOCK
 from siesta.core.piecewise_graphs import PiecewiseGraphs
 from siesta.core.sampler import (
     PendingSamples,
@@ -209,9 +210,11 @@ class ModelRunner:
         )
 
     def sleepable_memory(self) -> SleepableMemory | ArenaMemory:
+        # Built after the start-up capture, so the backup's background pinning never meets it.
+        background = self.config.background_weight_backup()
         if self.weight_arena is not None and self.kv_arena is not None:
-            return ArenaMemory(self.weight_arena, self.kv_arena)
-        return SleepableMemory(list(self.model.parameters()), self.kv_cache, self.device)
+            return ArenaMemory(self.weight_arena, self.kv_arena, background)
+        return SleepableMemory(list(self.model.parameters()), self.kv_cache, self.device, background)
 
     def _kv_cache_bytes(self) -> int:
         cache = self.config.cache
@@ -414,9 +417,11 @@ class ModelRunner:
 
     def recapture_graphs(self) -> None:
         """Capture now (at start and on wake-up) rather than in the first steps after it."""
-        for graphs in (self.graphs, self.piecewise):
-            if graphs is not None:
-                graphs.capture()
+        # Global capture mode: no thread may pin host memory meanwhile (another engine's backup).
+        with CAPTURE_LOCK:
+            for graphs in (self.graphs, self.piecewise):
+                if graphs is not None:
+                    graphs.capture()
 
     def _prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """The step's device inputs on this (single) rank."""

@@ -162,6 +162,11 @@ class RankedMemory:
     def kv_bytes(self) -> int:
         return self.local.kv_bytes
 
+    @property
+    def backup(self):
+        """Rank 0's host backup of its weights (each rank makes its own)."""
+        return self.local.backup
+
     def release_kv_cache(self) -> MemoryReport:
         return self._total("release_kv_cache")
 
@@ -183,7 +188,8 @@ class RankedMemory:
 
 
 def _sum(reports: list[MemoryReport]) -> MemoryReport:
-    return MemoryReport(bytes=sum(r.bytes for r in reports), seconds=max(r.seconds for r in reports))
+    return MemoryReport(bytes=sum(r.bytes for r in reports), seconds=max(r.seconds for r in reports),
+                        waited_s=max(r.waited_s for r in reports))
 
 
 class RankedUpdater:

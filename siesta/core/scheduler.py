@@ -13,6 +13,7 @@ anyone's, and a recompute skips what it already scored.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -204,9 +205,10 @@ class Scheduler:
             self._join_loaded()
 
     def _admit(self, request: Request, num_cached: int, num_external: int, joins_running: bool = True) -> None:
-        if request.num_cached_tokens < 0:
+        if request.num_cached_tokens < 0:  # first scheduling only: a preempted request, admitted again, skips this
             request.num_cached_tokens = num_cached + num_external
             self.stats.inc("prompt_tokens", request.num_prompt_tokens)
+            self.stats.observe("request_queue_time_seconds", time.monotonic() - request.arrival_time)
         self.stats.inc("prefix_cache_queries", request.num_tokens)
         self.stats.inc("prefix_cache_hits", num_cached)
         request.num_computed_tokens = num_cached + num_external

@@ -56,7 +56,7 @@ class LLM:
         )  # fmt: skip
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.source.load_tokenizer()
-        self.metrics = MetricsRegistry()
+        self.metrics = MetricsRegistry(model_name=self.engine.source.name)  # the name a server would serve it as
         self.processor = OutputProcessor(self.tokenizer, self.metrics)
         self._ids = itertools.count()
         # Requests not yet handed back: parent id -> child ids (n > 1), and the reverse.

@@ -4,16 +4,20 @@ gives it back on sleep. Measured as the process's resident bytes (Linux /proc)."
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
 from siesta.attention.base import KVCache
 from siesta.core.device_memory import SleepableMemory
+from siesta.core.host_backup import CAPTURE_LOCK, HostBackup
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 
 MiB = 1 << 20
+KiB = 1 << 10
 
 
 def _resident_bytes() -> int:
@@ -38,3 +42,111 @@ def test_a_large_cpu_cache_costs_only_what_it_holds_and_sleep_gives_it_back() ->
     memory.restore_kv_cache()
     kv.tensor[3].fill_(2.0)  # usable again, at the same address
     assert kv.tensor[3].sum() == 2.0 * kv.tensor[3].numel()
+
+
+# -- the weights' host backup ---------------------------------------------------------------------
+
+
+class FakePinner:
+    """Records the ranges pinned and unpinned, and whether graph capture's lock was held."""
+
+    def __init__(self, fail_at: int | None = None, gate: threading.Event | None = None) -> None:
+        self.pinned: list[tuple[int, int]] = []
+        self.unpinned: list[int] = []
+        self.lock_held: list[bool] = []
+        self.fail_at, self.gate = fail_at, gate
+
+    def pin(self, address: int, nbytes: int) -> None:
+        if self.gate is not None:
+            self.gate.wait()
+        self.lock_held.append(CAPTURE_LOCK.locked())
+        if self.fail_at is not None and len(self.pinned) == self.fail_at:
+            raise RuntimeError("cudaHostRegister failed")
+        self.pinned.append((address, nbytes))
+
+    def unpin(self, address: int) -> None:
+        self.unpinned.append(address)
+
+
+def _weights(sizes: list[int], seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=g) for n in sizes]
+
+
+def test_the_backup_is_pinned_in_chunks_in_the_background_each_under_the_capture_lock() -> None:
+    fake = FakePinner()
+    backup = HostBackup(10 * KiB + 5, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB)
+    assert backup.wait() >= 0.0 and backup.ready
+    # Three registrations that tile the buffer exactly, each under the lock capture holds.
+    assert [n for _, n in fake.pinned] == [4 * KiB, 4 * KiB, 2 * KiB + 5]
+    assert [a - fake.pinned[0][0] for a, _ in fake.pinned] == [0, 4 * KiB, 8 * KiB]
+    assert fake.lock_held == [True, True, True]
+    backup.close()
+    assert fake.unpinned == [a for a, _ in fake.pinned]
+
+
+def test_a_capture_holding_the_lock_holds_the_pinning_back() -> None:
+    fake = FakePinner()
+    with CAPTURE_LOCK:  # as ModelRunner.recapture_graphs does while it captures
+        backup = HostBackup(8 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB)
+        time.sleep(0.05)
+        assert fake.pinned == [] and not backup.ready
+    backup.wait()
+    assert len(fake.pinned) == 2
+
+
+def test_copies_are_cut_where_chunks_meet_and_come_back_exact() -> None:
+    backup = HostBackup(10 * KiB, None, background=False, chunk_bytes=4 * KiB)
+    assert backup._segments(3 * KiB, 6 * KiB) == [(3 * KiB, KiB), (4 * KiB, 4 * KiB), (8 * KiB, KiB)]
+    backup.wait()
+    data = torch.randint(0, 256, (6 * KiB,), dtype=torch.uint8)
+    backup.store(data, 3 * KiB)
+    out = torch.zeros_like(data)
+    backup.load(out, 3 * KiB)
+    assert torch.equal(out, data)
+    with pytest.raises(ValueError, match="does not fit"):
+        backup.store(data, 5 * KiB)
+
+
+def test_a_failed_background_pin_falls_back_and_unpins_what_it_had_pinned() -> None:
+    fake = FakePinner(fail_at=1)
+    backup = HostBackup(8 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB)
+    with pytest.raises(RuntimeError, match="not ready"):
+        backup.store(torch.zeros(4, dtype=torch.uint8))
+    fake_pin = fake.pinned[:]
+    # The fallback allocates the way torch pins (pin_memory), which this CPU-only test cannot:
+    # what matters is that the half-registered memory was unregistered before it was freed.
+    backup._pin = None
+    backup.wait()
+    assert fake.unpinned == [a for a, _ in fake_pin] and backup.ready
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_sleep_restores_the_weights_bit_for_bit_from_a_backup_made_before_or_at_the_first_sleep(background) -> None:
+    weights = _weights([1000, 37, 4096])
+    expected = [w.clone() for w in weights]
+    kv = KVCache.allocate(4, 2, 16, 2, 8, torch.float32, torch.device("cpu"))
+    memory = SleepableMemory(weights, kv, torch.device("cpu"), background_backup=background)
+    assert memory.backup.nbytes == sum(w.numel() * 4 for w in weights)
+    if background:
+        memory.backup.settle()
+        assert memory.backup.ready  # made before anyone slept
+    for _ in range(2):  # the second sleep reuses the same memory
+        report = memory.release_weights(backup=True)
+        assert report.bytes == memory.weight_bytes and all(w.untyped_storage().nbytes() == 0 for w in weights)
+        memory.restore_weights()
+        assert all(torch.equal(w, e) for w, e in zip(weights, expected))
+        weights[0].add_(1.0)  # new weights between sleeps are what the next backup holds
+        expected[0].add_(1.0)
+
+
+def test_the_backup_mode_is_validated_and_auto_is_background_on_cuda_only() -> None:
+    from siesta.config import ConfigError, EngineConfig
+
+    assert not EngineConfig(device="cpu").background_weight_backup()
+    assert EngineConfig(device="cuda").background_weight_backup()
+    assert not EngineConfig(device="cuda", enable_sleep_mode=False).background_weight_backup()
+    assert EngineConfig(device="cpu", weight_backup="background").background_weight_backup()
+    assert not EngineConfig(device="cuda", weight_backup="first_sleep").background_weight_backup()
+    with pytest.raises(ConfigError, match="weight_backup must be one of"):
+        EngineConfig(device="cpu", weight_backup="eager").validate(128)
