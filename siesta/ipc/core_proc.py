@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from siesta.distributed.processes import RankFailed
+
 from siesta.config import EngineConfig
 from siesta.core.engine_core import EngineCore, EngineStateError
 from siesta.ipc.handler import CallHandler, Engine, engine_info
@@ -64,6 +66,7 @@ class EngineCoreProc:
 
     def run(self) -> None:
         while not self.handler.stopping:
+            self.engine.ranks.check()  # a rank that died while nothing ran ends the core too
             got_input = self.turn()
             if not got_input and not self._busy() and os.getppid() != self._parent:
                 logger.warning("the server process is gone; the engine core exits")
@@ -109,6 +112,8 @@ class EngineCoreProc:
         self._dirty = True
         try:
             outcome = self.handler.handle(body)
+        except RankFailed:
+            raise  # the ranks are out of step: the core exits and the server with it
         except Exception as e:  # every error goes back to the caller
             if not isinstance(e, _EXPECTED_ERRORS):
                 logger.exception("call %s failed", type(body).__name__)
