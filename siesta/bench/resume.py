@@ -13,7 +13,8 @@ without ``--url`` the same experiment runs in-process (``siesta.bench.resume_off
 Each arm has its own prompts, so neither starts warmer than the other. Prompts are token
 ids of exact lengths: the hits a kept tier should give are known in advance (every full
 block before each prompt's last token). The counters are the evidence; the latencies show
-what they are worth.
+what they are worth, and the kept replay's p50 is set against its ordered-load floor
+(``siesta.bench.load_floor``), with a decode step timed over the same HTTP path.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from siesta.bench.common import median, print_table, write_json
+from siesta.bench.load_floor import LoadFloor, equal_shares
 from siesta.client import AsyncSiestaClient
 
 DEFAULT_JSON = "bench/results/resume_http.json"
@@ -38,6 +40,8 @@ EXTERNAL_QUERIES = "siesta_external_prefix_cache_queries_total"
 LOAD_BYTES = "siesta_kv_offload_load_bytes_total"
 STORE_BYTES = "siesta_kv_offload_store_bytes_total"
 ARM_SEED_STRIDE = 1_000_003  # arms draw from different seeds: no shared prefixes
+DECODE_PROBE_STEPS = 16  # a decode step is timed as (1 + this many tokens) minus one token, over this many
+DECODE_PROBE_REPS = 3  # medians of this many of each
 
 
 @dataclass
@@ -100,10 +104,21 @@ def expected_hits(prompts: list[list[int]], block_size: int) -> int:
     return sum((len(p) - 1) // block_size * block_size for p in prompts)
 
 
-async def _fire(client: AsyncSiestaClient, prompt: list[int], args: argparse.Namespace) -> float:
+async def _fire(client: AsyncSiestaClient, prompt: list[int], args: argparse.Namespace,
+                max_tokens: int | None = None) -> float:  # fmt: skip
+    max_tokens = args.max_tokens if max_tokens is None else max_tokens
     t0 = time.perf_counter()
-    await client.completions(prompt, model=args.model, max_tokens=args.max_tokens, temperature=0.0)
+    await client.completions(prompt, model=args.model, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return time.perf_counter() - t0
+
+
+async def decode_step_s(client: AsyncSiestaClient, prompt: list[int], args: argparse.Namespace) -> float:
+    """One decode step at batch 1, end to end: a request of 1 + DECODE_PROBE_STEPS tokens
+    against one of 1, on a prompt the device cache holds (the same prefill for both)."""
+    await _fire(client, prompt, args, max_tokens=1)  # its KV in the device cache
+    short = [await _fire(client, prompt, args, max_tokens=1) for _ in range(DECODE_PROBE_REPS)]
+    long = [await _fire(client, prompt, args, max_tokens=1 + DECODE_PROBE_STEPS) for _ in range(DECODE_PROBE_REPS)]
+    return max(median(long) - median(short), 0.0) / DECODE_PROBE_STEPS
 
 
 async def _burst(client: AsyncSiestaClient, prompts: list[list[int]], args: argparse.Namespace) -> list[float]:
@@ -127,13 +142,18 @@ async def run_arm(client: AsyncSiestaClient, keep_tier: bool, args: argparse.Nam
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     async with AsyncSiestaClient(args.url, api_key=args.api_key) as client:
         arms = [await run_arm(client, keep, args) for keep in (False, True)]
+        probe = make_prompts(1, args.prompt_tokens, args.prompt_seed + 2 * ARM_SEED_STRIDE)[0]
+        step_s = await decode_step_s(client, probe, args)
     cleared, kept = (a.summary() for a in arms)
+    floor = LoadFloor(args.link_gbps, step_s, args.max_tokens)
     reused = (
         kept["external_hits"] > 0 and kept["replay_load_bytes"] > 0 and kept["replay_p50_s"] < cleared["replay_p50_s"]
     )
     return {
         "config": {k: str(v) for k, v in vars(args).items() if k not in ("func", "api_key")},
         "arms": {a.name: asdict(a) | {"summary": a.summary()} for a in arms},
+        "speedup_p50": cleared["replay_p50_s"] / kept["replay_p50_s"],
+        "kept_floor": floor.report(equal_shares(kept["replay_load_bytes"], args.requests), kept["replay_p50_s"]),
         "verdict": "tier reused on resume" if reused else "no measurable reuse",
     }
 
@@ -147,7 +167,10 @@ def _print(result: dict[str, Any]) -> None:
         rows.append([name, s["external_hits"], s["expected_hits"], s["external_queries"], s["replay_load_bytes"],
                      s["replay_store_bytes"], s["warm_store_bytes"], s["warm_p50_s"], s["replay_p50_s"]])  # fmt: skip
     print_table("replay after sleep(level=1) -> wake_up", headers, rows)
-    print(f"\nverdict: {result['verdict']}")
+    print(f"\nverdict: {result['verdict']}; kept-tier replay {result['speedup_p50']:.1f}x faster at p50")
+    from siesta.bench.resume_offline import print_floor
+
+    print_floor(result["kept_floor"])
 
 
 def plot(result: dict[str, Any], path: str) -> None:

@@ -143,6 +143,7 @@ class EngineCore(OneCallUpdates):
             weight_version=self.kv_version,
             stats=self.stats,
             pool=self.kv.pool,
+            kv_cache=kv,
         )
         return create_connector(self.config.kv_transfer, ctx)
 
@@ -254,6 +255,7 @@ class EngineCore(OneCallUpdates):
         if held:  # they never reached the scheduler, which counts the rest
             self.stats.inc("request_success", len(held), finished_reason="abort")
         self._pending.extend(self.scheduler.abort_requests(request_ids, stopped))
+        self._store_finished(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._held)
@@ -349,7 +351,15 @@ class EngineCore(OneCallUpdates):
             prompt_logprobs = launched.prompt_logprobs()
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             return self._fail_step(sched, e)
-        return self.scheduler.update(sched, samples, self.weight_version, prompt_logprobs)
+        outputs = self.scheduler.update(sched, samples, self.weight_version, prompt_logprobs)
+        self._store_finished([out.request_id for out in outputs if out.finish_reason is not None])
+        return outputs
+
+    def _store_finished(self, request_ids: list[str]) -> None:
+        """A request that ended has its last blocks stored now, not at the next step (which may
+        be a sleep away): its KV and the counters are in the tier with its output."""
+        if request_ids and self.connector is not None and not self.memory.kv_released:
+            self.connector.store_finished(request_ids, self.runner.kv_cache)
 
     def _fail_step(self, sched: SchedulerOutput, e: Exception) -> list[EngineCoreOutput]:
         logger.error("step failed; failing its %d requests", len(sched.scheduled), exc_info=e)

@@ -327,6 +327,9 @@ class Scheduler:
         if request.request_id in self.loading:
             self._settle_loads()  # its blocks are being written: let that end before freeing them
         request.status = status
+        if self.connector is not None and status is not RequestStatus.FINISHED_ERROR:
+            # Its blocks are still its own: the connector takes what it needs before they go.
+            self.connector.request_finished(request, self.kv.block_ids(request.request_id))
         if request in self.running:
             self.running.remove(request)
         else:

@@ -2,16 +2,16 @@
 
 Scheduler side: ``get_num_new_matched_tokens`` (how many more tokens a tier holds
 for a request), ``update_state_after_alloc`` (plan the loads into the request's
-new device blocks), ``build_step`` (this step's loads and the stores the
+new device blocks, or start them), ``build_step`` (this step's loads and the stores the
 previous step made possible). Worker side: ``run_loads`` before the forward,
-``run_stores`` at the start of the next step. Control: ``reset_cache``,
-``evict_other_versions``, ``wait_for_stores``.
+``run_stores`` at the start of the next step, ``store_finished`` once a request ends.
+Control: ``reset_cache``, ``evict_other_versions``, ``wait_for_stores``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -71,6 +71,10 @@ class ConnectorContext:
     weight_version: str
     stats: EngineStats
     pool: BlockPool  # device blocks: stores hold a reference until their copy is done
+    # The device cache loads write into and stores read from; it lives as long as the engine
+    # (sleep unmaps and remaps it in place). A connector may start a load as soon as the
+    # scheduler allocates the request's blocks.
+    kv_cache: KVCache | None = None
 
     def count_dropped_stores(self, tier: str, reason: DropReason, count: int = 1) -> None:
         """Stores not made into ``tier`` (the tier the store was for), and why."""
@@ -139,9 +143,15 @@ class KVConnector(ABC):
         """The request got device blocks; plan loading ``num_external`` tokens after ``num_computed``."""
 
     def may_start_loads(self) -> bool:
-        """Whether the step being scheduled may start more loads (False once it has started
-        enough to keep the link busy: the rest wait a step, and the first copy starts sooner)."""
+        """Whether the scheduler may look up another waiting request now (False while the
+        loads already started keep the link busy for a while: a later lookup costs the step
+        loop time and would start no copy sooner)."""
         return True
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        """The request ends (it stopped, reached its length or was aborted) and still holds
+        ``block_ids``: plan the stores of the full blocks it filled that no step planned yet
+        (its last ones), for ``store_finished`` to start."""
 
     @abstractmethod
     def build_step(self, sched: ScheduledStep) -> StepTransfers:
@@ -175,6 +185,11 @@ class KVConnector(ABC):
 
     def poll(self) -> None:
         """Retire finished transfers (release their device blocks)."""
+
+    def store_finished(self, request_ids: Collection[str], kv_cache: KVCache) -> None:
+        """These requests just ended, their last step read back: start the stores of the
+        blocks they filled now, not at the next step, so their KV is in the tier (and counted)
+        by the time their outputs go out."""
 
     def finished_loads(self) -> list[str]:
         """Requests whose loads have landed since the last call: they may compute now."""

@@ -10,6 +10,12 @@ waits for the oldest chunk in a thread of its own and issues the next one as
 soon as it lands. Unthreaded, the caller's polls drive it: the connector's
 stores (a step's worth at a time; a thread would take the GIL from the steps),
 and everything on CPU, where a copy is done when issued.
+
+Jobs go out in submission order, chunk after chunk, so a job's copies all land before
+those of the next one (a later job overlaps only the window's tail of an earlier one):
+a resume of N requests lands the first request's KV after its own bytes, not after
+nearly all N requests' bytes. A call that lands a job never carries part of a later
+one, whose bytes would hold it back.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class CopyFeeder:
         self._queue: deque[_Chunk] = deque()
         self._issued: deque[_Issued] = deque()
         self._issued_bytes = 0
+        self._queued_bytes = 0
         self._landed: list[object] = []
         self._error: BaseException | None = None
         if threaded:
@@ -96,6 +103,7 @@ class CopyFeeder:
         chunks = self._split(job_id, list(parts), kv, after)
         with self._lock:
             self._queue.extend(chunks)
+            self._queued_bytes += sum(c.nbytes for c in chunks)
             if issue:
                 self._pump()
             self._lock.notify_all()
@@ -125,6 +133,12 @@ class CopyFeeder:
             self._pump()
             landed, self._landed = self._landed, []
         return landed
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes submitted and not landed yet: queued, or issued and in flight."""
+        with self._lock:
+            return self._issued_bytes + self._queued_bytes
 
     def busy(self) -> bool:
         with self._lock:
@@ -158,11 +172,20 @@ class CopyFeeder:
             if not self._queue or self._issued_bytes >= self.window_bytes:
                 return
             chunks = [self._queue.popleft()]
-            while self._queue and sum(c.nbytes for c in chunks) + self._queue[0].nbytes <= self.chunk_bytes:
+            while self._queue and self._joins_call(chunks, self._queue[0]):
                 chunks.append(self._queue.popleft())
-            issued = _Issued(chunks, self._issue(chunks))
-            self._issued.append(issued)
-            self._issued_bytes += issued.nbytes
+            nbytes = sum(c.nbytes for c in chunks)
+            self._queued_bytes -= nbytes
+            self._issued.append(_Issued(chunks, self._issue(chunks)))
+            self._issued_bytes += nbytes
+
+    def _joins_call(self, chunks: list[_Chunk], nxt: _Chunk) -> bool:
+        """Whether queued chunk ``nxt`` goes out in the same call as ``chunks``: if it fits in
+        a chunk's bytes, and does not hold back a job that call lands (small jobs, each whole,
+        may share a call; the head of a large one waits for the next)."""
+        if sum(c.nbytes for c in chunks) + nxt.nbytes > self.chunk_bytes:
+            return False
+        return nxt.last or not chunks[-1].last
 
     def _issue(self, chunks: list[_Chunk]) -> CopyHandle:
         parts = [part for c in chunks for part in c.parts]

@@ -3,6 +3,7 @@ hits; stores go to every child; it keeps its cache across a pause only if every 
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from siesta.attention.base import KVCache
@@ -46,6 +47,10 @@ class MultiConnector(KVConnector):
     def may_start_loads(self) -> bool:
         return all(c.may_start_loads() for c in self.children)
 
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        for child in self.children:
+            child.request_finished(request, block_ids)
+
     def build_step(self, sched) -> StepTransfers:
         return StepTransfers(parts=[(c, c.build_step(sched)) for c in self.children])
 
@@ -63,6 +68,10 @@ class MultiConnector(KVConnector):
     def poll(self) -> None:
         for c in self.children:
             c.poll()
+
+    def store_finished(self, request_ids: Collection[str], kv_cache: KVCache) -> None:
+        for c in self.children:
+            c.store_finished(request_ids, kv_cache)
 
     def finished_loads(self) -> list[str]:
         return [rid for c in self.children for rid in c.finished_loads()]

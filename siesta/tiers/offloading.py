@@ -10,6 +10,7 @@ has its stores flushed and its load left alone, so keeping the tier is safe.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,11 @@ DEFAULT_CPU_BYTES = 1 << 30
 # thread against +11-19 % issued in-loop, bench/results/gpu-h200-2026-11-29-run7*).
 DEFAULT_LOAD_WINDOW_BYTES = 512 << 20
 DEFAULT_STORE_WINDOW_BYTES = 1 << 30
+# Loads started and not landed before the scheduler stops looking up more waiting requests:
+# loads land in admission order, so a request looked up behind this much would start no copy
+# sooner, and its lookup (hashing ~20k tokens: ~4 ms) would delay the step. 4 GiB keeps the
+# link busy through a step of ~75 ms at 55 GB/s (H200; a resume's steps take 10-60 ms).
+DEFAULT_LOAD_LOOKAHEAD_BYTES = 4 << 30
 ROLES_THAT_LOAD = ("kv_both", "kv_consumer")
 ROLES_THAT_STORE = ("kv_both", "kv_producer")
 
@@ -49,12 +55,13 @@ class OffloadConfig:
     offload_prompt_only: bool
     load_window_bytes: int
     store_window_bytes: int
+    load_lookahead_bytes: int
     role: str
 
     @classmethod
     def parse(cls, extra: dict[str, Any], device_block_size: int, role: str) -> OffloadConfig:
         known = {"block_size", "cpu_bytes_to_use", "disk_path", "disk_bytes_to_use", "offload_prompt_only",
-                 "load_window_bytes", "store_window_bytes"}  # fmt: skip
+                 "load_window_bytes", "store_window_bytes", "load_lookahead_bytes"}  # fmt: skip
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"OffloadingConnector: unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
@@ -66,6 +73,7 @@ class OffloadConfig:
             offload_prompt_only=bool(extra.get("offload_prompt_only", False)),
             load_window_bytes=int(extra.get("load_window_bytes", DEFAULT_LOAD_WINDOW_BYTES)),
             store_window_bytes=int(extra.get("store_window_bytes", DEFAULT_STORE_WINDOW_BYTES)),
+            load_lookahead_bytes=int(extra.get("load_lookahead_bytes", DEFAULT_LOAD_LOOKAHEAD_BYTES)),
             role=role,
         )
         if cfg.block_size <= 0 or cfg.block_size % device_block_size:
@@ -75,7 +83,7 @@ class OffloadConfig:
             )
         if cfg.cpu_bytes_to_use <= 0:
             raise ValueError("OffloadingConnector: cpu_bytes_to_use must be positive")
-        for name in ("load_window_bytes", "store_window_bytes"):
+        for name in ("load_window_bytes", "store_window_bytes", "load_lookahead_bytes"):
             if getattr(cfg, name) <= 0:
                 raise ValueError(f"OffloadingConnector: {name} must be positive")
         if cfg.disk_path is not None and cfg.disk_bytes_to_use <= 0:
@@ -135,7 +143,7 @@ class OffloadingConnector(KVConnector):
         self.stores = CopyFeeder(self.copier, "out", self.cfg.store_window_bytes, ctx.block_bytes, threaded=False)
         # Scheduler-side bookkeeping.
         self._matched: dict[str, list[LoadPiece]] = {}  # looked up this schedule(), pinned, not yet allocated
-        self._pending_loads: dict[str, LoadJob] = {}
+        self._pending_loads: dict[str, LoadJob] = {}  # allocated, left for run_loads (no kv_cache in ctx)
         self._stored_upto: dict[str, int] = {}  # per request: tier entries already planned or skipped
         self._planned: list[StoreJob] = []
         self._store_keys: set[BlockHash] = set()  # planned or in flight
@@ -201,13 +209,19 @@ class OffloadingConnector(KVConnector):
             return
         for piece in pieces:
             piece.block_ids = block_ids[piece.request_first : piece.request_first + piece.count]
-        self._pending_loads[request.request_id] = LoadJob(request.request_id, pieces)
+        job = LoadJob(request.request_id, pieces)
+        if self.ctx.kv_cache is None:
+            self._pending_loads[request.request_id] = job
+            return
+        # Started now, while the scheduler looks up the next request: a step that looked up and
+        # allocated every waiting request before any copy began kept the link idle (16 requests
+        # of 19.5k tokens: ~70 ms on the H200). The copies wait for every forward queued so far,
+        # the last ones that may have read these blocks before they were freed.
+        self._start_load(job, self.ctx.kv_cache, after=None)
 
     def may_start_loads(self) -> bool:
-        # A step that looked up and allocated every waiting request before any copy began
-        # kept the link idle: 16 requests of 19.5k tokens took ~70 ms on the H200.
-        pending_blocks = sum(job.num_blocks for job in self._pending_loads.values())
-        return pending_blocks * self.ctx.block_bytes < self.cfg.load_window_bytes
+        unstarted = sum(job.num_blocks for job in self._pending_loads.values()) * self.ctx.block_bytes
+        return self.loads.pending_bytes + unstarted < self.cfg.load_lookahead_bytes
 
     def _release_match(self, request_id: str) -> None:
         for piece in self._matched.pop(request_id, []):
@@ -220,7 +234,7 @@ class OffloadingConnector(KVConnector):
             self._release_match(request_id)
         # Stores planned last step read blocks the last forward filled: issue them now. A
         # preempted request's stores go with them (flushed); a load it got in this very
-        # step, resuming, is its own job and is left alone.
+        # step, resuming, is its own job (started at its admission) and is left alone.
         transfers = StepTransfers(stores=self._planned, loads=list(self._pending_loads.values()))
         self._planned, self._pending_loads = [], {}
         for request_id in sched.preempted_req_ids | sched.finished_req_ids:
@@ -228,6 +242,12 @@ class OffloadingConnector(KVConnector):
         for item in sched.scheduled:
             self._plan_stores(item.request, item.block_ids)
         return transfers
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        # Its last full blocks may be planned by no step: the step that filled them planned
+        # none, with async scheduling, whose tokens were still unseen then; no later step
+        # schedules the request.
+        self._plan_stores(request, block_ids)
 
     def _plan_stores(self, request: Request, block_ids: list[int]) -> None:
         if self.cfg.role not in ROLES_THAT_STORE or request.kv_mixes_versions:
@@ -267,7 +287,18 @@ class OffloadingConnector(KVConnector):
             parts = [(self.host.data(job.entry), [b.block_id for b in job.blocks])]
             self.stores.submit(job, parts, kv_cache, issue=False, after=after)
             self._inflight_stores += 1
+            # Counted as issued, not as landed: an issued copy lands (a failed one stops every
+            # later step), and so the count leaves with the step that started it, the one that
+            # finished its request too (store_finished), not a step after the request's output.
+            self.ctx.stats.inc("kv_offload_store_bytes", self.host.entry_bytes, tier="host")
         self.poll()  # issues the step's stores together
+
+    def store_finished(self, request_ids: Collection[str], kv_cache: KVCache) -> None:
+        ended = set(request_ids)
+        now = [job for job in self._planned if job.request_id in ended]
+        if now:
+            self._planned = [job for job in self._planned if job.request_id not in ended]
+            self.run_stores(StepTransfers(stores=now), kv_cache)  # after every forward queued so far
 
     def _reserve(self, job: StoreJob) -> HostEntry | None:
         """A host slot for the store. When every slot is busy with stores on their way to the
@@ -287,14 +318,18 @@ class OffloadingConnector(KVConnector):
 
     def run_loads(self, transfers: StepTransfers, kv_cache: KVCache) -> None:
         for job in transfers.loads:
-            self.ctx.stats.inc("kv_offload_load_bytes", job.num_blocks * self.ctx.block_bytes, tier="host")
-            parts = []
-            for piece in job.pieces:
-                first = piece.entry_first
-                parts.append((self.host.data(piece.entry)[first : first + piece.count], piece.block_ids))
-            self._loading[job.request_id] = job
-            self.loads.submit(job.request_id, parts, kv_cache, after=transfers.after)
+            self._start_load(job, kv_cache, transfers.after)
         self.poll()
+
+    def _start_load(self, job: LoadJob, kv_cache: KVCache, after) -> None:
+        """Queue the job behind the loads started before it: it lands before any later one."""
+        self.ctx.stats.inc("kv_offload_load_bytes", job.num_blocks * self.ctx.block_bytes, tier="host")
+        parts = []
+        for piece in job.pieces:
+            first = piece.entry_first
+            parts.append((self.host.data(piece.entry)[first : first + piece.count], piece.block_ids))
+        self._loading[job.request_id] = job
+        self.loads.submit(job.request_id, parts, kv_cache, after=after)
 
     def wait_for_progress(self, timeout_s: float) -> None:
         """Block (releasing the GIL) until the oldest load chunk lands or ``timeout_s`` passes,
@@ -330,7 +365,6 @@ class OffloadingConnector(KVConnector):
             self.ctx.count_dropped_stores("host", DropReason.NO_SPACE)
             return
         self.host.commit(job.key)
-        self.ctx.stats.inc("kv_offload_store_bytes", self.host.entry_bytes, tier="host")
         if self.disk is not None and not self.disk.contains(job.key):
             self.host.pin(job.key)  # the writer reads the slot; it must not be reused meanwhile
             data = memoryview(self.host.data(job.entry).view(-1).view(torch.uint8).numpy())

@@ -143,3 +143,8 @@ def test_bench_resume_over_http(tier_server, tmp_path):
     assert kept["external_hits"] == kept["expected_hits"] > 0
     assert result["arms"]["cleared"]["summary"]["external_hits"] == 0
     assert result["verdict"] == "tier reused on resume"
+    # The floor: each request's share of the replay's counted load bytes, in order, at link speed.
+    floor = result["kept_floor"]
+    assert sum(floor["kv_bytes"]) == kept["replay_load_bytes"] > 0
+    assert floor["floor_s"] == sorted(floor["floor_s"]) and floor["decode_step_s"] >= 0
+    assert floor["p50_over_floor"] == kept["replay_p50_s"] / floor["floor_p50_s"]

@@ -183,3 +183,58 @@ def test_jobs_submitted_without_issue_go_out_together() -> None:
     feeder.drain()
     assert [len(call) for call in copier.calls] == [16, 8]
     assert feeder.landed() == list(range(6))
+
+
+def _owner(block: int) -> int:
+    return block // 100  # job i's blocks are 100 * i + k (see ``job``)
+
+
+def test_queued_jobs_land_one_after_another_each_as_soon_as_its_own_copies_land() -> None:
+    # Several requests' loads queued at once (a resume): each job's copies go out before any
+    # of the next job's, no call that lands a job carries part of a later one, and a job is
+    # reported the moment the call with its last copy lands, not when later jobs' copies do.
+    copier = FakeCopier(held=True)
+    window = 8 * BLOCK_BYTES  # chunks of two blocks, four in flight
+    feeder = CopyFeeder(copier, "in", window, BLOCK_BYTES, threaded=False)
+    # Parts of one or two blocks: a job's one-block tail could share a call with the one-block
+    # head of the next (a part of one, then one of two, which does not fit beside it).
+    parts = [[1, 1, 1, 1, 1], [1, 2], [1], [2, 1], [1, 2, 2], [1], [1]]
+    sizes = [sum(p) for p in parts]
+    for i, part_sizes in enumerate(parts):
+        firsts = [100 * i + sum(part_sizes[:k]) for k in range(len(part_sizes))]
+        feeder.submit(i, [(torch.empty(0), list(range(f, f + n))) for f, n in zip(firsts, part_sizes)], kv=None)
+    last_block = {i: 100 * i + blocks - 1 for i, blocks in enumerate(sizes)}
+    reported: list[int] = []
+    landed_calls = 0
+    while len(reported) < len(sizes):
+        assert landed_calls < len(copier.calls), "every job lands once its calls have"
+        copier.handles[landed_calls].landed = True  # the oldest call in flight lands
+        landed_calls += 1
+        reported += feeder.landed()
+        done = {_owner(b) for call in copier.calls[:landed_calls] for b in call if b == last_block[_owner(b)]}
+        assert sorted(reported) == sorted(done), "a job is reported as soon as its last copy lands"
+    assert reported == list(range(len(sizes))), "jobs land in submission order"
+    issued = [b for call in copier.calls for b in call]
+    assert issued == [b for i, blocks in enumerate(sizes) for b in range(100 * i, 100 * i + blocks)]
+    for call in copier.calls:
+        owners = [_owner(b) for b in call]
+        for i in set(owners):
+            if last_block[i] in call:  # the call lands job i: nothing after it but whole jobs
+                later = {j for j in owners if j > i}
+                assert all(last_block[j] in call for j in later), f"call {call} holds job {i} back"
+    assert max(copier.in_flight_at_issue) < window, "the window still bounds the bytes in flight"
+    assert feeder.pending_bytes == 0 and not feeder.busy()
+
+
+def test_pending_bytes_count_queued_and_in_flight_copies_until_they_land() -> None:
+    copier = FakeCopier(held=True)
+    feeder = CopyFeeder(copier, "in", 4 * BLOCK_BYTES, BLOCK_BYTES, threaded=False)
+    feeder.submit("r0", job(0, 10), kv=None)
+    feeder.submit("r1", job(100, 3), kv=None)
+    assert feeder.pending_bytes == 13 * BLOCK_BYTES  # one window issued, the rest queued
+    copier.handles[0].landed = True
+    feeder.landed()
+    assert feeder.pending_bytes == (13 - len(copier.calls[0])) * BLOCK_BYTES
+    feeder.drain()
+    assert feeder.landed() == ["r0", "r1"]
+    assert feeder.pending_bytes == 0

@@ -135,18 +135,26 @@ def test_omitted_or_true_clears_the_tier(call):
 
 
 class StepRecorder:
-    """Wraps the connector's step planning to see preemptions and loads per step."""
+    """Sees, per step, the preemptions it reports and the loads its schedule started (a load
+    starts when its request is admitted, before the step's plan is built)."""
 
     def __init__(self, llm: LLM) -> None:
         self.steps: list[tuple[set[str], set[str]]] = []
         connector = llm.engine.connector
-        original = connector.build_step
+        original, submit = connector.build_step, connector.loads.submit
+        started: set[str] = set()
+
+        def record_load(job_id, *args, **kwargs):
+            started.add(job_id)
+            return submit(job_id, *args, **kwargs)
 
         def build_step(sched):
             transfers = original(sched)
-            self.steps.append((set(sched.preempted_req_ids), {job.request_id for job in transfers.loads}))
+            self.steps.append((set(sched.preempted_req_ids), set(started)))
+            started.clear()
             return transfers
 
+        connector.loads.submit = record_load
         connector.build_step = build_step
 
 
@@ -391,11 +399,13 @@ class HeldCopier:
     def __init__(self, real) -> None:
         self.real = real
         self.loads: list[tuple[_Held, int]] = []  # (handle, blocks) in issue order
+        self.block_ids: list[list[int]] = []  # each load's device blocks, in issue order
 
     def load(self, pieces, kv, after=None):
         self.real.load(pieces, kv)
         handle = _Held()
         self.loads.append((handle, sum(len(ids) for _, ids in pieces)))
+        self.block_ids.append([b for _, ids in pieces for b in ids])
         return handle
 
     def store(self, kv, block_ids, dst):
@@ -445,35 +455,90 @@ def test_loads_go_out_a_window_at_a_time_and_the_request_waits_for_the_last():
     assert outputs[0].outputs[0].token_ids == ref[0]
 
 
-def test_a_step_starts_loads_up_to_the_window_and_the_rest_start_in_later_steps():
-    llm = engine()
-    entry_bytes = (TIER_BLOCK // BLOCK) * llm.engine.runner.kv_cache.block_bytes
-    llm = engine(offload(load_window_bytes=entry_bytes))  # any one request's hits fill the window
-    ps = prompts(3)
+def _held_loads(llm: LLM, piece_bytes: int) -> HeldCopier:
+    """The connector's loads through a held copier, one tier piece in flight at a time, driven
+    by the engine's polls alone (no feeder thread, which would wait the copies out)."""
+    connector = llm.engine.connector
+    held = HeldCopier(connector.copier)
+    block_bytes = llm.engine.runner.kv_cache.block_bytes
+    connector.loads = CopyFeeder(held, "in", piece_bytes, block_bytes, threaded=False)
+    return held
+
+
+def _resumed(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
     ref = generate(llm, ps)
     llm.sleep(level=1, clear_connector_cache=False)
     llm.wake_up()
-    connector = llm.engine.connector
-    started: list[list[str]] = []
-    build_step = connector.build_step
+    return ref
 
-    def spy(sched):
-        transfers = build_step(sched)
-        started.append([job.request_id for job in transfers.loads])
-        return transfers
 
-    connector.build_step = spy
+def test_loads_start_at_admission_in_request_order_and_a_loaded_request_runs_before_later_ones_land():
+    llm = engine()
+    piece_bytes = (TIER_BLOCK // BLOCK) * llm.engine.runner.kv_cache.block_bytes
+    llm = engine(offload(load_window_bytes=piece_bytes))
+    ps = prompts(3)
+    ref = _resumed(llm, ps)
+    held = _held_loads(llm, piece_bytes)
+    scheduler = llm.engine.scheduler
     ids = [llm.add_request({"prompt_token_ids": p}, GREEDY) for p in ps]
+    llm.step()
+    # One schedule looked every request up and started its loads (the default lookahead is far
+    # above these few KiB); the window lets one piece out.
+    assert set(scheduler.loading) == set(ids) and len(held.loads) == 1
+    owner = {}
+    for rid in ids:
+        owner.update((b, rid) for b in llm.engine.kv.block_ids(rid))
+    pieces = {rid: (len(p) - 1) // TIER_BLOCK for rid, p in zip(ids, ps)}
+    runnable_while_loading: dict[str, set[str]] = {}
+    outputs = {}
+    while scheduler.loading:
+        held.loads[-1][0].landed = True
+        outputs.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
+        for rid in ids:
+            if rid not in scheduler.loading and rid not in runnable_while_loading:
+                runnable_while_loading[rid] = set(scheduler.loading)
+    issued_for = [owner[ids_[0]] for ids_ in held.block_ids]
+    assert issued_for == [rid for rid in ids for _ in range(pieces[rid])], "each request's loads before the next's"
+    # Runnable the step after its own last piece landed, while the later requests still load.
+    assert runnable_while_loading[ids[0]] == {ids[1], ids[2]}
+    assert runnable_while_loading[ids[1]] == {ids[2]}
+    while llm.engine.has_work():
+        outputs.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
+    assert [outputs[i] for i in ids] == ref
+
+
+def test_lookups_wait_while_the_loads_started_fill_the_lookahead():
+    llm = engine()
+    piece_bytes = (TIER_BLOCK // BLOCK) * llm.engine.runner.kv_cache.block_bytes
+    llm = engine(offload(load_window_bytes=piece_bytes, load_lookahead_bytes=piece_bytes))
+    ps = prompts(2)
+    ref = _resumed(llm, ps)
+    held = _held_loads(llm, piece_bytes)
+    scheduler = llm.engine.scheduler
+    first, second = (llm.add_request({"prompt_token_ids": p}, GREEDY) for p in ps)
+    llm.step()
+    assert list(scheduler.loading) == [first], "the first request's loads fill the lookahead"
+    assert [r.request_id for r in scheduler.waiting] == [second], "the second is not looked up yet"
+    while first in scheduler.loading:
+        held.loads[-1][0].landed = True
+        llm.step()
+    # Its last piece landed: the backlog is empty, so the same schedule that let the first
+    # request run looked the second one up and started its loads.
+    assert second in scheduler.loading
+    assert llm.engine.kv.block_ids(second)[0] in held.block_ids[-1]
     outputs = {}
     while llm.engine.has_work():
         outputs.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
-    assert [s for s in started if s][:3] == [[ids[0]], [ids[1]], [ids[2]]], "one request's loads a step, in order"
-    assert [outputs[i] for i in ids] == ref
+        for handle, _ in held.loads:
+            handle.landed = True
+    assert [outputs[first], outputs[second]] == ref
 
 
 def test_a_step_s_copies_wait_for_the_compute_mark_it_carries():
     # The runner marks the step's transfers before its forward and issues them after it, so
     # the copies must wait for that mark, not for whatever is queued when they are issued.
+    # Loads start at admission, inside schedule(), before that step's forward is queued: they
+    # wait for a mark taken as they are submitted (every forward queued by then).
     llm = engine(offload())
     connector, kv = llm.engine.connector, llm.engine.runner.kv_cache
     seen: dict[str, list] = {"in": [], "out": []}
@@ -501,12 +566,13 @@ def test_a_step_s_copies_wait_for_the_compute_mark_it_carries():
     generate(llm, ps)
     llm.sleep(level=1, clear_connector_cache=False)
     llm.wake_up()
+    marks_taken = []
+    take_mark = connector.loads.compute_mark
+    connector.loads.compute_mark = lambda: marks_taken.append(take_mark()) or marks_taken[-1]
     llm.add_request({"prompt_token_ids": ps[0]}, GREEDY)
     sched = llm.engine.scheduler.schedule()
-    assert sched.transfers.loads
-    sched.transfers.mark(mark)
-    connector.run_loads(sched.transfers, kv)
-    assert seen["in"] and all(after is mark for after in seen["in"])
+    assert seen["in"] == [None] and len(marks_taken) == 1, "submitted by the lookup, the mark taken then"
+    assert not sched.transfers.loads, "no step carries a load started at admission"
 
 
 def test_a_mark_reaches_every_child_share_of_a_composite_step():

@@ -1,0 +1,59 @@
+"""The GPU bench's resume section on the CPU, in a tiny config: the seed's arms, the kept
+replay's p50 against its ordered-load floor, the floor checked against counted bytes."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import pytest
+
+from siesta.bench import gpu
+from siesta.bench.load_floor import LoadFloor, equal_shares
+
+MODEL = "random:tiny-llama"
+REQUESTS = 3
+PROMPT_TOKENS = 150
+TIER_BLOCK = 32
+BF16_BYTES = 2
+
+
+def test_floor_of_each_request_is_the_kv_before_it_and_its_own_at_link_speed_plus_its_steps() -> None:
+    floor = LoadFloor(link_gbps=2.0, decode_step_s=0.01, new_tokens=4)
+    kv = [1e9, 3e9, 2e9]  # in admission order
+    assert floor.per_request(kv) == pytest.approx([0.5 + 0.04, 2.0 + 0.04, 3.0 + 0.04])
+    report = floor.report(kv, replay_p50_s=4.16)
+    assert report["floor_p50_s"] == pytest.approx(2.04)
+    assert report["p50_over_floor"] == pytest.approx(4.16 / 2.04)
+    assert equal_shares(6e9, 3) == [2e9, 2e9, 2e9]
+
+
+def _args() -> argparse.Namespace:
+    return argparse.Namespace(model=MODEL, device="cpu", max_model_len=512, max_num_batched_tokens=256,
+                              resume_requests=REQUESTS, resume_tokens=PROMPT_TOKENS, tier_block_size=TIER_BLOCK,
+                              tier_bytes=1 << 26, load_window_mib=None, link_gbps=55.0)  # fmt: skip
+
+
+def test_resume_section_runs_on_the_cpu_and_reports_the_floor_from_counted_bytes() -> None:
+    from siesta.model.loader import resolve_model
+
+    cfg = resolve_model(MODEL).hf_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * BF16_BYTES
+    per_request = (PROMPT_TOKENS - 1) // TIER_BLOCK * TIER_BLOCK * kv_per_token  # what a kept replay loads
+
+    res = gpu.resume(_args())
+
+    kept = res["kept"]["metric_delta"]
+    assert kept.get('siesta_kv_offload_store_bytes_total{tier="host"}', 0.0) == 0, "the kept replay stores nothing"
+    assert kept['siesta_kv_offload_load_bytes_total{tier="host"}'] == REQUESTS * per_request
+    floor = res["kept_floor"]
+    assert floor["kv_bytes"] == [per_request] * REQUESTS
+    assert floor["decode_step_s"] > 0 and floor["new_tokens"] == gpu.RESUME_NEW_TOKENS
+    expected = [(i + 1) * per_request / 55e9 + gpu.RESUME_NEW_TOKENS * floor["decode_step_s"] for i in range(REQUESTS)]
+    assert floor["floor_s"] == pytest.approx(expected)
+    assert floor["floor_p50_s"] == pytest.approx(statistics.median(expected))
+    assert res["kept_p50_over_floor"] == pytest.approx(res["kept"]["replay_p50_s"] / floor["floor_p50_s"])
+    assert res["speedup_p50"] == pytest.approx(res["cleared"]["replay_p50_s"] / res["kept"]["replay_p50_s"])
+    rows = {row[0]: row for row in gpu.summary({"resume": res})}
+    assert rows["resume kept p50 / ordered-load floor p50"][1] == res["kept_p50_over_floor"]
