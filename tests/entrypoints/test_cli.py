@@ -85,3 +85,16 @@ def test_gpu_memory_utilization_on_the_cpu_says_it_does_nothing(capsys):
 def test_generate_given_a_model_directory_points_to_model(tmp_path, capsys):
     err = _refusal(["generate", str(tmp_path)], capsys)
     assert f"--model {tmp_path}" in err
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["serve"]])
+def test_every_engine_flag_is_an_argument_of_llm(command):
+    # ``siesta generate`` and the benches build ``LLM(**engine_kwargs(args))``: a flag LLM does
+    # not take would crash them before the model loads.
+    import inspect
+
+    from siesta import LLM
+    from siesta.entrypoints.engine_args import engine_kwargs
+
+    kwargs = engine_kwargs(build_parser().parse_args(command))
+    inspect.signature(LLM).bind(**kwargs)
