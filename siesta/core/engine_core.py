@@ -106,7 +106,11 @@ class EngineCore(OneCallUpdates):
         self.kv = KVManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.stats)
         self.eos_token_ids = frozenset(self.source.eos_token_ids)
-        self.connector = self._make_connector()
+        try:
+            self.connector = self._make_connector()
+        except BaseException:
+            self.ranks.close()  # the other ranks' processes go with the engine that failed to start
+            raise
         self.scheduler.connector = self.connector
         self.runner.connector = self.connector
         self.memory = RankedMemory(self.ranks)
@@ -130,9 +134,6 @@ class EngineCore(OneCallUpdates):
     def _make_connector(self) -> KVConnector | None:
         if self.config.kv_transfer is None:
             return None
-        if self.ranks.size > 1:
-            self.ranks.close()
-            raise ConfigError("kv_transfer_config: the KV tiers do not run at tensor parallel > 1 yet")
         kv = self.runner.kv_cache
         ctx = ConnectorContext(
             block_size=self.config.cache.block_size,
@@ -144,8 +145,12 @@ class EngineCore(OneCallUpdates):
             stats=self.stats,
             pool=self.kv.pool,
             kv_cache=kv,
+            ranks=self.ranks.tier_ranks(),
         )
-        return create_connector(self.config.kv_transfer, ctx)
+        connector = create_connector(self.config.kv_transfer, ctx)
+        if ctx.ranks is not None and not connector.supports_tensor_parallel:
+            raise ConfigError(f"{connector.name} does not run at tensor parallel > 1 (OffloadingConnector does)")
+        return connector
 
     def _max_model_len(self) -> int:
         limit = self.source.hf_config.max_position_embeddings

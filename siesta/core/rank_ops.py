@@ -8,6 +8,10 @@ writes this rank's slice of each full tensor a trainer sends).
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,9 +19,14 @@ import torch
 
 from siesta.core.device_memory import ArenaMemory, MemoryReport, SleepableMemory
 from siesta.core.model_runner import ModelRunner, StepPlan
+from siesta.core.tier_ranks import NOTE, SharedBuffer
 from siesta.model.loader import ModelSource, resolve_model
+from siesta.tiers.copy_feeder import CopyFeeder
+from siesta.tiers.transfer import BlockCopier
 from siesta.weight_transfer.updater import UpdateFailed, WeightUpdater
 from siesta.weight_transfer.wire import WeightTransferError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,11 +50,14 @@ class RankError:
 class RankOps:
     """One rank's runner, memory and updater, and the calls rank 0 makes on every rank."""
 
-    def __init__(self, runner: ModelRunner, source: ModelSource, local_rank: int) -> None:
+    def __init__(self, runner: ModelRunner, source: ModelSource, local_rank: int,
+                 notes: Callable[[str, Any], None] | None = None) -> None:  # fmt: skip
         self.runner = runner
         self.source = source
+        self.rank = local_rank
         self.memory: SleepableMemory | ArenaMemory = runner.sleepable_memory()
         self.updater = WeightUpdater(runner.config.weight_transfer, runner.model, runner.device, local_rank)
+        self.tiers = RankTierCopies(runner, local_rank, notes) if notes is not None else None
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -97,5 +109,75 @@ class RankOps:
     def close_update(self) -> None:
         self.updater.state.close()
 
+    # -- the KV tiers (rank 0's connector decides; this rank copies its part) -------------
+
+    def map_tier_buffer(self, shared: SharedBuffer) -> None:
+        self.tiers.map(shared)
+
+    def open_tier_copies(self, name: str, path: str, direction: str, window_bytes: int, rank_stride: int) -> None:
+        self.tiers.open(name, path, direction, window_bytes, rank_stride)
+
+    def tier_copy(self, name: str, tag: int, offsets: list[tuple[int, int, list[int]]]) -> None:
+        self.tiers.copy(name, tag, offsets)
+
     def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
         self.updater.close()
+
+
+# How often a rank looks for tier copies that landed, to tell rank 0.
+TIER_POLL_S = 0.001
+
+
+class RankTierCopies:
+    """This rank's part of the tiers' copies: rank 0's jobs, made between this rank's device
+    blocks and its part of the shared slots; a thread tells rank 0 which landed."""
+
+    def __init__(self, runner: ModelRunner, rank: int, notes: Callable[[str, Any], None]) -> None:
+        self.runner = runner
+        self.rank = rank
+        self.notes = notes
+        self.copier = BlockCopier(runner.device)
+        self.buffers: dict[str, torch.Tensor] = {}  # path -> flat bytes
+        self.feeders: dict[str, tuple[CopyFeeder, str, int]] = {}  # name -> (feeder, path, rank stride)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def map(self, shared: SharedBuffer) -> None:
+        self.buffers[shared.path] = shared.map(self.runner.device).view(-1).view(torch.uint8)
+
+    def open(self, name: str, path: str, direction: str, window_bytes: int, rank_stride: int) -> None:
+        kv = self.runner.kv_cache
+        threaded = self.copier.cuda and direction == "in"  # as rank 0's connector runs them
+        feeder = CopyFeeder(self.copier, direction, window_bytes, kv.block_bytes, threaded=threaded)
+        self.feeders[name] = (feeder, path, rank_stride)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._report, name="rank-tier-copies", daemon=True)
+            self._thread.start()
+
+    def copy(self, name: str, tag: int, offsets: list[tuple[int, int, list[int]]]) -> None:
+        feeder, path, stride = self.feeders[name]
+        kv = self.runner.kv_cache
+        flat, block_bytes = self.buffers[path], kv.block_bytes
+        parts = []
+        for offset, count, block_ids in offsets:
+            start = offset + self.rank * stride
+            view = flat[start : start + count * block_bytes].view(kv.tensor.dtype).view(count, *kv.tensor.shape[1:])
+            parts.append((view, block_ids))
+        # After every forward this rank queued so far: the calls come in rank 0's order.
+        feeder.submit(tag, parts, kv)
+
+    def _report(self) -> None:
+        try:
+            while not self._stop.wait(TIER_POLL_S):
+                for name, (feeder, _, _) in list(self.feeders.items()):
+                    tags = feeder.landed()  # raises if this rank's copies failed
+                    if tags:
+                        self.notes(NOTE, (name, tags))
+        except BaseException:  # rank 0 sees the process go and names this rank
+            logger.exception("tier copies failed on rank %d", self.rank)
+            os._exit(1)
+
+    def close(self) -> None:
+        self._stop.set()

@@ -31,7 +31,7 @@ def serve_rank(channel: RankChannel, rank: int, size: int, config: EngineConfig,
     membership = rank_group.join(rank, size, device, config.parallel.rank_timeout_s, port=port)
     source = resolve_model(config.model.model, config.model.seed, config.model.tokenizer)
     runner = ModelRunner(config, source, max_model_len, tp=membership.tp)
-    ops = RankOps(runner, source, local_rank=rank)
+    ops = RankOps(runner, source, local_rank=rank, notes=channel.note)
     channel.ready({"num_blocks": runner.num_blocks})
     try:
         _serve(channel, ops)

@@ -19,6 +19,7 @@ from siesta.config import EngineConfig
 from siesta.core.device_memory import MemoryReport
 from siesta.core.model_runner import ModelRunner, StepPlan
 from siesta.core.rank_ops import RankError, RankOps
+from siesta.core.tier_ranks import TierRanksOnRank0
 from siesta.distributed import group as rank_group
 from siesta.distributed.processes import RankFailed, RankProcesses
 from siesta.model.loader import ModelSource
@@ -92,6 +93,12 @@ class Ranks:
     def peers(self) -> Ranks | None:
         """What the runner hands each step to (None at tensor parallel 1)."""
         return None if self.procs is None else self
+
+    def tier_ranks(self) -> TierRanksOnRank0 | None:
+        """What the KV tiers need of the ranks (None at tensor parallel 1)."""
+        if self.procs is None:
+            return None
+        return TierRanksOnRank0(self.procs, self.runner.device, self.timeout_s)
 
     def launch(self, plan: StepPlan) -> None:
         self.procs.send("launch", plan, reply=False)

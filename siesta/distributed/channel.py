@@ -32,7 +32,7 @@ class Call:
 
 @dataclass(frozen=True)
 class Answer:
-    kind: str  # "reply" | "heartbeat" | "ready" | "failed"
+    kind: str  # "reply" | "heartbeat" | "ready" | "failed" | "note" (news nobody asked for: (topic, payload))
     rank: int
     seq: int = -1
     ok: bool = True
@@ -62,6 +62,7 @@ class RankChannel:
         self._answers.connect(answer_address)
         self._answer_address = answer_address
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._parent = os.getppid()
         threading.Thread(target=self._beat, args=(heartbeat_s,), name="rank-heartbeat", daemon=True).start()
 
@@ -70,6 +71,10 @@ class RankChannel:
 
     def answer(self, call: Call, ok: bool, value: Any) -> None:
         self._send(self._answers, Answer("reply", self.rank, call.seq, ok, value))
+
+    def note(self, topic: str, payload: Any) -> None:
+        """From any thread of the rank."""
+        self._send(self._answers, Answer("note", self.rank, value=(topic, payload)))
 
     def ready(self, value: Any) -> None:
         self._send(self._answers, Answer("ready", self.rank, value=value))
@@ -95,6 +100,7 @@ class RankChannel:
             self._send(sock, Answer("heartbeat", self.rank))
         sock.close()
 
-    @staticmethod
-    def _send(sock: zmq.Socket, answer: Answer) -> None:
-        sock.send_multipart(dumps(answer), copy=False)
+    def _send(self, sock: zmq.Socket, answer: Answer) -> None:
+        # The main thread and a rank's helper threads (notes) share the answers socket, one at a time.
+        with self._lock:
+            sock.send_multipart(dumps(answer), copy=False)

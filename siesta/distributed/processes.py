@@ -54,6 +54,7 @@ class RankProcesses:
         self._last_seen: dict[int, float] = {}
         self._ready: dict[int, Any] = {}
         self._replies: dict[int, dict[int, Answer]] = {}
+        self._notes: dict[str, list[Answer]] = {}  # unasked-for news from the ranks, by topic
         self._failure: str | None = None
         self._on_failure: list[Callable[[str], None]] = []
         self._cond = threading.Condition()
@@ -131,6 +132,11 @@ class RankProcesses:
             del self._replies[seq]
             return [got[rank] for rank in self.ranks]
 
+    def take_notes(self, topic: str) -> list[Answer]:
+        """The ranks' notes on ``topic`` since the last call (each note's value: (topic, payload))."""
+        with self._cond:
+            return self._notes.pop(topic, [])
+
     def check(self) -> None:
         if self._failure is not None:
             raise RankFailed(self._failure)
@@ -164,6 +170,8 @@ class RankProcesses:
                 self._ready[answer.rank] = answer.value
             elif answer.kind == "reply":
                 self._replies.setdefault(answer.seq, {})[answer.rank] = answer
+            elif answer.kind == "note":
+                self._notes.setdefault(answer.value[0], []).append(answer)
             elif answer.kind == "failed":
                 self._fail(f"tensor-parallel rank {answer.rank} failed: {answer.value}")
             self._cond.notify_all()

@@ -59,6 +59,37 @@ class DropReason(StrEnum):
     CACHE_RESET = "cache_reset"
 
 
+class TierCopies(Protocol):
+    """A copy window as a connector drives it (``CopyFeeder``, or at tensor parallel > 1 one
+    that also makes every other rank's copy of each job and reports a job once all landed)."""
+
+    def submit(self, job_id: object, parts: Sequence[tuple[torch.Tensor, Sequence[int]]], kv: KVCache,
+               issue: bool = True, after: Any = None) -> None: ...  # fmt: skip
+    def compute_mark(self) -> Any: ...
+    def landed(self) -> list[object]: ...
+    @property
+    def pending_bytes(self) -> int: ...
+    def busy(self) -> bool: ...
+    def wait_for_progress(self, timeout_s: float) -> None: ...
+    def drain(self) -> None: ...
+
+
+class TierRanks(Protocol):
+    """The tensor-parallel ranks, as a connector sees them (``siesta.core.tier_ranks``): each
+    holds its shard of every block, so a tier slot holds every rank's shard, side by side, in
+    host memory that every rank maps; a copy is made by every rank, into its own part."""
+
+    size: int
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """``[slots, size, ...]`` in memory every rank maps (pinned on CUDA)."""
+        ...
+
+    def copies(self, local: Any, direction: str, buffer: torch.Tensor) -> TierCopies:
+        """``local`` (rank 0's feeder) and the other ranks' copies of each job, into ``buffer``."""
+        ...
+
+
 @dataclass
 class ConnectorContext:
     """What a connector learns about the engine it serves."""
@@ -75,6 +106,12 @@ class ConnectorContext:
     # (sleep unmaps and remaps it in place). A connector may start a load as soon as the
     # scheduler allocates the request's blocks.
     kv_cache: KVCache | None = None
+    # Tensor parallelism above 1 (None: one rank). ``block_shape`` is then one rank's shard.
+    ranks: TierRanks | None = None
+
+    @property
+    def num_ranks(self) -> int:
+        return 1 if self.ranks is None else self.ranks.size
 
     def count_dropped_stores(self, tier: str, reason: DropReason, count: int = 1) -> None:
         """Stores not made into ``tier`` (the tier the store was for), and why."""
@@ -116,6 +153,8 @@ class KVConnector(ABC):
     ``supports_retained_cache_on_pause = True``."""
 
     supports_retained_cache_on_pause: ClassVar[bool] = False
+    # Runs where every tensor-parallel rank holds a shard of each block (``ctx.ranks``).
+    supports_tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, extra_config: dict[str, Any], ctx: ConnectorContext) -> None:
         self.extra_config = extra_config

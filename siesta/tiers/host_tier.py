@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from siesta.kv.hashing import BlockHash
+from siesta.tiers.base import TierRanks
 from siesta.tiers.chains import ChainIndex
 
 
@@ -26,13 +27,23 @@ class HostEntry:
 
 
 class HostTier:
-    def __init__(self, capacity_bytes: int, entry_shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool) -> None:
+    """``entry_shape`` is one rank's part; with ``ranks`` an entry holds every rank's part side by
+    side (``[ranks, *entry_shape]``), in memory the ranks share, and the capacity is their total."""
+
+    def __init__(self, capacity_bytes: int, entry_shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool,
+                 ranks: TierRanks | None = None) -> None:  # fmt: skip
+        if ranks is not None:
+            entry_shape = (ranks.size, *entry_shape)
         entry_bytes = torch.empty(entry_shape, dtype=dtype, device="meta").numel() * torch.empty((), dtype=dtype).element_size()
         self.capacity = capacity_bytes // entry_bytes
         if self.capacity < 1:
             raise ValueError(f"cpu_bytes_to_use={capacity_bytes} holds no entry of {entry_bytes} bytes")
         self.entry_bytes = entry_bytes
-        self.buffer = torch.empty((self.capacity, *entry_shape), dtype=dtype, pin_memory=pin_memory)
+        self.sharded = ranks is not None
+        if ranks is None:
+            self.buffer = torch.empty((self.capacity, *entry_shape), dtype=dtype, pin_memory=pin_memory)
+        else:
+            self.buffer = ranks.host_buffer((self.capacity, *entry_shape), dtype)
         self._index: ChainIndex[HostEntry] = ChainIndex()
         self._free_slots = list(range(self.capacity - 1, -1, -1))
         self.evictions = 0
@@ -89,7 +100,12 @@ class HostTier:
         return len(doomed)
 
     def data(self, entry: HostEntry) -> torch.Tensor:
+        """The whole entry (every rank's part): what the disk tier reads and writes."""
         return self.buffer[entry.slot]
+
+    def part(self, entry: HostEntry) -> torch.Tensor:
+        """This rank's part of the entry: what its device blocks copy to and from."""
+        return self.buffer[entry.slot, 0] if self.sharded else self.buffer[entry.slot]
 
     def _evict_one(self) -> bool:
         """The least recently used chain end; any entry if every end is pinned or being written

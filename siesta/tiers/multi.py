@@ -25,6 +25,10 @@ class MultiConnector(KVConnector):
     def supports_retained_cache_on_pause(self) -> bool:  # type: ignore[override]
         return all(c.supports_retained_cache_on_pause for c in self.children)
 
+    @property
+    def supports_tensor_parallel(self) -> bool:  # type: ignore[override]
+        return all(c.supports_tensor_parallel for c in self.children)
+
     def retention_refusal(self) -> str:
         refusing = [c for c in self.children if not c.supports_retained_cache_on_pause]
         return " ".join(c.retention_refusal() for c in refusing)

@@ -21,7 +21,7 @@ from siesta.attention.base import KVCache
 from siesta.kv.block_pool import Block
 from siesta.kv.hashing import BlockHash, extend_block_hashes
 from siesta.request import Request
-from siesta.tiers.base import ConnectorContext, DropReason, KVConnector, StepTransfers
+from siesta.tiers.base import ConnectorContext, DropReason, KVConnector, StepTransfers, TierCopies
 from siesta.tiers.copy_feeder import CopyFeeder
 from siesta.tiers.disk_tier import DiskTier, DiskWrite
 from siesta.tiers.host_tier import HostEntry, HostTier
@@ -126,6 +126,7 @@ class StoreJob:
 
 class OffloadingConnector(KVConnector):
     supports_retained_cache_on_pause = True
+    supports_tensor_parallel = True
 
     def __init__(self, extra_config: dict[str, Any], ctx: ConnectorContext, role: str = "kv_both") -> None:
         super().__init__(extra_config, ctx)
@@ -133,14 +134,22 @@ class OffloadingConnector(KVConnector):
         self.blocks_per_entry = self.cfg.block_size // ctx.block_size
         entry_shape = (self.blocks_per_entry, *ctx.block_shape)
         pin = ctx.device.type == "cuda"
-        self.host = HostTier(self.cfg.cpu_bytes_to_use, entry_shape, ctx.dtype, pin_memory=pin)
+        self.host = HostTier(self.cfg.cpu_bytes_to_use, entry_shape, ctx.dtype, pin_memory=pin, ranks=ctx.ranks)
         self.disk: DiskTier | None = None
         if self.cfg.disk_path is not None:
-            self.disk = DiskTier(self.cfg.disk_path, ctx.model_fingerprint, self.cfg.disk_bytes_to_use, self.host.entry_bytes)
+            # An entry's bytes are every rank's shards: a tier written at another tensor-parallel
+            # size is another layout.
+            fingerprint = ctx.model_fingerprint if ctx.ranks is None else f"{ctx.model_fingerprint}/tp{ctx.num_ranks}"
+            self.disk = DiskTier(self.cfg.disk_path, fingerprint, self.cfg.disk_bytes_to_use, self.host.entry_bytes)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="siesta-disk") if self.disk is not None else None
         self.copier = BlockCopier(ctx.device)
-        self.loads = CopyFeeder(self.copier, "in", self.cfg.load_window_bytes, ctx.block_bytes, threaded=self.copier.cuda)
-        self.stores = CopyFeeder(self.copier, "out", self.cfg.store_window_bytes, ctx.block_bytes, threaded=False)
+        self.loads: TierCopies = CopyFeeder(self.copier, "in", self.cfg.load_window_bytes, ctx.block_bytes,
+                                            threaded=self.copier.cuda)  # fmt: skip
+        self.stores: TierCopies = CopyFeeder(self.copier, "out", self.cfg.store_window_bytes, ctx.block_bytes,
+                                             threaded=False)  # fmt: skip
+        if ctx.ranks is not None:  # every rank copies its own part of each entry
+            self.loads = ctx.ranks.copies(self.loads, "in", self.host.buffer)
+            self.stores = ctx.ranks.copies(self.stores, "out", self.host.buffer)
         # Scheduler-side bookkeeping.
         self._matched: dict[str, list[LoadPiece]] = {}  # looked up this schedule(), pinned, not yet allocated
         self._pending_loads: dict[str, LoadJob] = {}  # allocated, left for run_loads (no kv_cache in ctx)
@@ -284,7 +293,7 @@ class OffloadingConnector(KVConnector):
             if job.entry is None:  # every slot pinned by loads: counted as dropped
                 self._finish_store(job, stored=False)
                 continue
-            parts = [(self.host.data(job.entry), [b.block_id for b in job.blocks])]
+            parts = [(self.host.part(job.entry), [b.block_id for b in job.blocks])]
             self.stores.submit(job, parts, kv_cache, issue=False, after=after)
             self._inflight_stores += 1
             # Counted as issued, not as landed: an issued copy lands (a failed one stops every
@@ -323,11 +332,11 @@ class OffloadingConnector(KVConnector):
 
     def _start_load(self, job: LoadJob, kv_cache: KVCache, after) -> None:
         """Queue the job behind the loads started before it: it lands before any later one."""
-        self.ctx.stats.inc("kv_offload_load_bytes", job.num_blocks * self.ctx.block_bytes, tier="host")
+        self.ctx.stats.inc("kv_offload_load_bytes", job.num_blocks * self.ctx.block_bytes * self.ctx.num_ranks, tier="host")
         parts = []
         for piece in job.pieces:
             first = piece.entry_first
-            parts.append((self.host.data(piece.entry)[first : first + piece.count], piece.block_ids))
+            parts.append((self.host.part(piece.entry)[first : first + piece.count], piece.block_ids))
         self._loading[job.request_id] = job
         self.loads.submit(job.request_id, parts, kv_cache, after=after)
 

@@ -119,3 +119,34 @@ def test_a_rank_that_dies_or_hangs_is_reported_by_name_within_a_bound(sig, said)
         engine.close()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # gone, and reaped
+
+
+TIER = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 32 << 20, "block_size": 16}}  # fmt: skip
+LONG_PROMPTS = [[(7 * i + 3 * j) % 1000 + 3 for j in range(90)] for i in range(3)]
+
+
+def test_a_sleep_that_keeps_the_tier_resumes_from_it_on_every_rank(tmp_path):
+    tier = {**TIER, "kv_connector_extra_config": {**TIER["kv_connector_extra_config"], "disk_path": str(tmp_path),
+                                            "disk_bytes_to_use": 64 << 20}}
+    reference = greedy(LLM(f"random:{SHAPE}", dtype="float32", kv_cache_bytes=KV_BYTES), LONG_PROMPTS)
+    llm = LLM(f"random:{SHAPE}", dtype="float32", kv_cache_bytes=KV_BYTES, tensor_parallel_size=2,
+              kv_transfer_config=tier)  # fmt: skip
+    try:
+        assert greedy(llm, LONG_PROMPTS) == reference
+        llm.sleep(level=1, clear_connector_cache=False)  # the device cache goes; the tier stays
+        llm.wake_up()
+        before = llm.get_metrics()
+        # Each rank's KV of the prompts comes from its own part of the tier: a rank whose
+        # part were missing or stale would break the all-reduced activations of every layer.
+        assert greedy(llm, LONG_PROMPTS) == reference
+        after = llm.get_metrics()
+        hits = after["siesta_external_prefix_cache_hits_total"] - before.get("siesta_external_prefix_cache_hits_total", 0)
+        full_blocks = sum((len(p) - 1) // 16 for p in LONG_PROMPTS)
+        assert hits == full_blocks * 16
+        kv = llm.engine.runner.kv_cache
+        key = 'siesta_kv_offload_load_bytes_total{tier="host"}'
+        loaded = after[key] - before.get(key, 0)
+        assert loaded == full_blocks * kv.block_bytes * 2  # both ranks' shards
+    finally:
+        llm.engine.close()
