@@ -34,6 +34,7 @@ from siesta.core.staging import to_device_many
 from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
 from siesta.model.llama import CausalLM
 from siesta.model.loader import ModelSource
+from siesta.model.parallel import SINGLE, TensorParallel
 from siesta.request import PromptLogprobs, Request
 from siesta.tiers.base import KVConnector
 
@@ -102,8 +103,11 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+    def __init__(
+        self, config: EngineConfig, source: ModelSource, max_model_len: int, tp: TensorParallel = SINGLE
+    ) -> None:
         self.config = config
+        self.tp = tp
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.model.dtype, source.checkpoint_dtype, self.device)
         self.max_model_len = max_model_len
@@ -137,7 +141,7 @@ class ModelRunner:
     def _build_model(self, source: ModelSource) -> CausalLM:
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = CausalLM(source.hf_config, self.max_model_len, self.backend)
+            model = CausalLM(source.hf_config, self.max_model_len, self.backend, self.tp)
         # Materialise on the device without initialising: every parameter is loaded next.
         model = model.to(dtype=self.dtype)
         if self.use_arenas:
@@ -161,7 +165,7 @@ class ModelRunner:
         return written
 
     def _allocate_kv_cache(self) -> KVCache:
-        shape = self.model.shape
+        shape = self.model.local  # this rank's KV heads only
         block_bytes = KVCache.bytes_per_block(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
         num_blocks = max(1, self._kv_cache_bytes() // block_bytes)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size, num_blocks * block_bytes / 2**20)
@@ -193,7 +197,7 @@ class ModelRunner:
     def _profile_activation_bytes(self) -> int:
         """Peak memory of one full-budget prefill, run against a throwaway one-block cache."""
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        shape = self.model.shape
+        shape = self.model.local
         scratch = KVCache.allocate(
             -(-n // self.block_size), shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim,
             self.dtype, self.device,

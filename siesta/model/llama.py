@@ -3,6 +3,10 @@
 Parameters keep Hugging Face checkpoint names, except that q/k/v and gate/up are
 fused into one matmul each; ``load_weights`` maps checkpoint tensors onto them, so
 a trainer's ``state_dict()`` loads directly.
+
+Under tensor parallelism (``TensorParallel``, cut as ``tensor_parallel`` says) each rank's
+model holds its shard of every parameter, and ``weight_target`` says which part of each full
+checkpoint tensor that is: every loader and every weight push hands over full tensors.
 """
 
 from __future__ import annotations
@@ -13,20 +17,66 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from siesta.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from siesta.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
+from siesta.model.parallel import SINGLE, TensorParallel
+from siesta.model.tensor_parallel import LocalShape, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
-class WeightTarget:
-    """The tensor a checkpoint tensor is copied into, and the name ``load_weights`` reports."""
+class WeightCut:
+    """``full.narrow(dim, start, length)`` of a full checkpoint tensor lands in ``dest``."""
 
-    key: str  # "param" or "param:shard" for the rows of a fused parameter
-    view: torch.Tensor
+    dest: torch.Tensor
+    dim: int
+    start: int
+    length: int
+    whole: bool  # the cut is the full tensor itself: taken as is (no view to build per tensor)
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        return full if self.whole else full.narrow(self.dim, self.start, self.length)
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where a full checkpoint tensor goes on this rank, and which part of it this rank keeps.
+
+    One cut, except for a fused q|k|v (or gate|up) tensor pushed whole under tensor
+    parallelism: this rank's q rows, its k rows and its v rows are three ranges of it.
+    """
+
+    keys: tuple[str, ...]  # what ``load_weights`` reports written: "param", or "param:shard" per shard
+    full_shape: tuple[int, ...]  # the whole tensor's shape, as checkpoints and trainers hold it
+    cuts: tuple[WeightCut, ...]
+
+    @property
+    def view(self) -> torch.Tensor:
+        """This rank's destination of a one-cut target (what the checkpoint tensor's shard becomes)."""
+        if len(self.cuts) != 1:
+            raise ValueError(f"{self.keys} land in {len(self.cuts)} places on this rank, not one")
+        return self.cuts[0].dest
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full``: a view for one cut; the pieces of a fused tensor joined."""
+        if len(self.cuts) == 1:
+            return self.cuts[0].of(full)
+        return torch.cat([cut.of(full) for cut in self.cuts], dim=self.cuts[0].dim)
+
+    def write(self, full: torch.Tensor) -> None:
+        """Copy this rank's part of ``full`` into the parameters (casting to their dtype)."""
+        for cut in self.cuts:
+            cut.dest.copy_(cut.of(full))
+
+
+def _cut(param: torch.Tensor, dim: int, start: int, length: int, full_len: int) -> tuple[tuple[int, ...], WeightCut]:
+    """The full shape of ``param``'s checkpoint tensor and the cut into its first ``length`` rows along ``dim``."""
+    full_shape = (*param.shape[:dim], full_len, *param.shape[dim + 1 :])
+    whole = start == 0 and length == full_len == param.shape[dim]
+    return full_shape, WeightCut(param.narrow(dim, 0, length), dim, start, length, whole)
 
 
 @dataclass(frozen=True)
@@ -74,13 +124,21 @@ class DecoderShape:
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_idx: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        shape: DecoderShape,
+        local: LocalShape,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-        q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, local.head_dim
+        q_size, kv_size = local.num_heads * local.head_dim, local.num_kv_heads * local.head_dim
         self.qkv_proj = MergedLinear(shape.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=shape.qkv_bias)
-        self.o_proj = Linear(q_size, shape.hidden_size, bias=False)
+        self.o_proj = _row_linear(q_size, shape.hidden_size, tp)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.rotary = rotary
@@ -112,24 +170,40 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale, out=out)
 
 
+def _row_linear(in_features: int, out_features: int, tp: TensorParallel) -> Linear:
+    """A projection back to the hidden size: the plain layer on one device (today's ops, no
+    collective), else this rank's input columns and the all-reduce."""
+    if tp.size == 1:
+        return Linear(in_features, out_features, bias=False)
+    return RowParallelLinear(in_features, out_features, bias=False, tp=tp)
+
+
 class MLP(nn.Module):
-    def __init__(self, shape: DecoderShape) -> None:
+    def __init__(self, shape: DecoderShape, local: LocalShape, tp: TensorParallel) -> None:
         super().__init__()
-        self.inter = shape.intermediate_size
+        self.inter = local.intermediate_size
         self.gate_up_proj = MergedLinear(shape.hidden_size, {"gate": self.inter, "up": self.inter}, bias=False)
-        self.down_proj = Linear(self.inter, shape.hidden_size, bias=False)
+        self.down_proj = _row_linear(self.inter, shape.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_idx: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        shape: DecoderShape,
+        local: LocalShape,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = Attention(shape, layer_idx, rotary, backend)
+        self.self_attn = Attention(shape, local, layer_idx, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape)
+        self.mlp = MLP(shape, local, tp)
 
     def forward(
         self,
@@ -165,25 +239,49 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, shape: DecoderShape, max_positions: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, shape: DecoderShape, local: LocalShape, max_positions: int, backend: AttentionBackend, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        if tp.size == 1:
+            self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(local, shape.hidden_size, tp)
         # One table shared by every layer; not a parameter, never loaded.
         self.rotary = RotaryEmbedding(shape.head_dim, max_positions, shape.rope)
-        self.layers = nn.ModuleList(DecoderLayer(shape, i, self.rotary, backend) for i in range(shape.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(shape, local, i, self.rotary, backend, tp) for i in range(shape.num_layers)
+        )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: Any, max_positions: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: Any, max_positions: int, backend: AttentionBackend, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.shape = DecoderShape.from_config(config)
-        self.model = DecoderModel(self.shape, max_positions, backend)
-        self.lm_head = Linear(self.shape.hidden_size, self.shape.vocab_size, bias=False)
+        self.tp = tp
+        self.shape = DecoderShape.from_config(config)  # the whole model's
+        self.local = LocalShape.of(
+            num_layers=self.shape.num_layers,
+            head_dim=self.shape.head_dim,
+            num_heads=self.shape.num_heads,
+            num_kv_heads=self.shape.num_kv_heads,
+            intermediate_size=self.shape.intermediate_size,
+            vocab_size=self.shape.vocab_size,
+            tp=tp,
+        )
+        self._shard_ranges = self._part_ranges()
+        self.model = DecoderModel(self.shape, self.local, max_positions, backend, tp)
+        if tp.size == 1:
+            self.lm_head = Linear(self.shape.hidden_size, self.shape.vocab_size, bias=False)
+        else:
+            self.lm_head = ParallelLMHead(self.local, self.shape.hidden_size, self.shape.vocab_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the embedding with the output head; again after ``to_empty``, which unties them."""
+        """Share the embedding with the output head; again after ``to_empty``, which unties them.
+        Under tensor parallelism both hold the same vocabulary rows, so one shard is shared."""
         if self.shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -203,7 +301,8 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], written: set[str] | None = None) -> set[str]:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters in place.
+        """Copy checkpoint tensors (Hugging Face names, full shapes) into the parameters in place;
+        under tensor parallelism each rank copies its part of each.
 
         In place, so addresses stay put: CUDA graphs and sleep arenas keep pointing at them.
         Returns the parameter names that were written, collected into ``written`` as they are
@@ -215,15 +314,16 @@ class CausalLM(nn.Module):
             target = self.weight_target(name, params)
             if target is None:
                 continue
-            if target.view.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.view.shape)}")
+            if target.full_shape != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {target.full_shape}")
             with torch.no_grad():
-                target.view.copy_(tensor)
-            written.add(target.key)
+                target.write(tensor)
+            written.update(target.keys)
         return written
 
     def weight_target(self, name: str, params: dict[str, nn.Parameter] | None = None) -> WeightTarget | None:
-        """Where the checkpoint tensor ``name`` goes: a parameter, or the rows of a fused one.
+        """Where the checkpoint tensor ``name`` goes: a parameter, or the rows of a fused one, and
+        which part of the full tensor this rank keeps.
 
         Takes Hugging Face names (``...q_proj.weight``) and this model's fused names
         (``...qkv_proj.weight``). None for tensors the model does not keep (rotary tables,
@@ -239,12 +339,56 @@ class CausalLM(nn.Module):
         params = self.parameter_table() if params is None else params
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in this {self.shape.model_type} model")
-        if shard is None:
-            return WeightTarget(pname, params[pname].data)
         module = self._merged_modules().get(pname.rsplit(".", 1)[0])
-        if module is None:
-            raise ValueError(f"checkpoint tensor {name!r} is a shard, but {pname!r} is not a fused layer here")
-        return WeightTarget(f"{pname}:{shard}", module.shard_view(shard, kind))
+        if shard is not None:
+            if module is None:
+                raise ValueError(f"checkpoint tensor {name!r} is a shard, but {pname!r} is not a fused layer here")
+            full_shape, cut = _cut(module.shard_view(shard, kind), 0, *self._shard_ranges[shard])
+            return WeightTarget((f"{pname}:{shard}",), full_shape, (cut,))
+        if module is not None:
+            return self._fused_target(pname, params[pname].data, module)
+        split = self._split_of(pname)
+        if split is None:  # replicated: norms, and biases added after a sum
+            full_shape, cut = _cut(params[pname].data, 0, 0, params[pname].shape[0], params[pname].shape[0])
+        else:
+            full_shape, cut = _cut(params[pname].data, *split)
+        return WeightTarget((pname,), full_shape, (cut,))
+
+    def _fused_target(self, pname: str, param: torch.Tensor, module: MergedLinear) -> WeightTarget:
+        """A fused q|k|v or gate|up tensor pushed whole: each rank takes its rows of every part."""
+        keys = tuple(f"{pname}:{shard}" for shard in module.offsets)
+        ranges = [self._shard_ranges[shard] for shard in module.offsets]
+        full_rows = sum(full for _, _, full in ranges)
+        full_shape = (full_rows, *param.shape[1:])
+        if full_rows == param.shape[0]:  # one device: the whole tensor in one copy
+            return WeightTarget(keys, full_shape, (WeightCut(param, 0, 0, full_rows, whole=True),))
+        cuts, offset = [], 0
+        for (shard, (local_offset, local_rows)), (start, length, full) in zip(module.offsets.items(), ranges):
+            cuts.append(WeightCut(param.narrow(0, local_offset, local_rows), 0, offset + start, length, whole=False))
+            offset += full
+        return WeightTarget(keys, full_shape, tuple(cuts))
+
+    def _part_ranges(self) -> dict[str, tuple[int, int, int]]:
+        """``(start, length, full length)`` of this rank's rows in each part's full checkpoint tensor."""
+        local, hd = self.local, self.shape.head_dim
+        q = (local.head_start * hd, local.num_heads * hd, self.shape.num_heads * hd)
+        kv = (local.kv_head_start * hd, local.num_kv_heads * hd, self.shape.num_kv_heads * hd)
+        inter = (local.intermediate_start, local.intermediate_size, self.shape.intermediate_size)
+        return {"q": q, "k": kv, "v": kv, "gate": inter, "up": inter}
+
+    def _split_of(self, pname: str) -> tuple[int, int, int, int] | None:
+        """``(dim, start, length, full length)`` of this rank's part of an unfused parameter's
+        full tensor; None for one every rank holds whole."""
+        owner = pname.rsplit(".", 2)
+        tail = ".".join(owner[-2:])
+        if tail == "o_proj.weight":  # row-parallel: this rank's heads are its input columns
+            return (1, *self._shard_ranges["q"])
+        if tail == "down_proj.weight":
+            return (1, *self._shard_ranges["gate"])
+        if pname in ("model.embed_tokens.weight", "lm_head.weight"):
+            local = self.local
+            return 0, local.vocab_start, local.real_vocab_rows(self.shape.vocab_size), self.shape.vocab_size
+        return None
 
     def _merged_modules(self) -> dict[str, MergedLinear]:
         """The fused layers by name: modules are never replaced (their parameters may be), and a
@@ -263,7 +407,7 @@ class CausalLM(nn.Module):
         """What a complete checkpoint writes, in ``load_weights``'s return format."""
         names: set[str] = set()
         for pname, _ in self.named_parameters():
-            module_name, kind = pname.rsplit(".", 1)
+            module_name, _ = pname.rsplit(".", 1)
             module = self.get_submodule(module_name)
             if isinstance(module, MergedLinear):
                 names.update(f"{pname}:{shard}" for shard in module.offsets)
