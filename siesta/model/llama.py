@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -27,9 +27,11 @@ from siesta.model.tensor_parallel import LocalShape, ParallelLMHead, RowParallel
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-@dataclass(frozen=True)
-class WeightCut:
-    """``full.narrow(dim, start, length)`` of a full checkpoint tensor lands in ``dest``."""
+class WeightCut(NamedTuple):
+    """``full.narrow(dim, start, length)`` of a full checkpoint tensor lands in ``dest``.
+
+    Tuples, not dataclasses: a weight push builds a target per tensor, and a frozen
+    dataclass's ``__init__`` costs a microsecond more per object (the 8B push is 291 tensors)."""
 
     dest: torch.Tensor
     dim: int
@@ -41,8 +43,7 @@ class WeightCut:
         return full if self.whole else full.narrow(self.dim, self.start, self.length)
 
 
-@dataclass(frozen=True)
-class WeightTarget:
+class WeightTarget(NamedTuple):
     """Where a full checkpoint tensor goes on this rank, and which part of it this rank keeps.
 
     One cut, except for a fused q|k|v (or gate|up) tensor pushed whole under tensor
@@ -72,11 +73,30 @@ class WeightTarget:
             cut.dest.copy_(cut.of(full))
 
 
-def _cut(param: torch.Tensor, dim: int, start: int, length: int, full_len: int) -> tuple[tuple[int, ...], WeightCut]:
-    """The full shape of ``param``'s checkpoint tensor and the cut into its first ``length`` rows along ``dim``."""
-    full_shape = (*param.shape[:dim], full_len, *param.shape[dim + 1 :])
-    whole = start == 0 and length == full_len == param.shape[dim]
-    return full_shape, WeightCut(param.narrow(dim, 0, length), dim, start, length, whole)
+class _Place(NamedTuple):
+    """A WeightCut without its tensor: ``full.narrow(dim, start, length)`` lands in the
+    parameter's ``length`` rows from ``dest_offset`` (along ``dim``)."""
+
+    dim: int
+    dest_offset: int
+    start: int
+    length: int
+    whole: bool  # the cut is the full tensor itself
+    all_rows: bool  # the destination is the whole parameter
+
+    def bind(self, param: torch.Tensor) -> WeightCut:
+        dest = param if self.all_rows else param.narrow(self.dim, self.dest_offset, self.length)
+        return WeightCut(dest, self.dim, self.start, self.length, self.whole)
+
+
+class _Plan(NamedTuple):
+    pname: str
+    keys: tuple[str, ...]
+    full_shape: tuple[int, ...]
+    places: tuple[_Place, ...]
+
+
+_UNPLANNED = object()
 
 
 @dataclass(frozen=True)
@@ -330,43 +350,57 @@ class CausalLM(nn.Module):
         the head of a tied checkpoint); raises ValueError, naming it, for one it has no place for.
         Pass ``parameter_table()`` when looking up many: building it walks the whole model.
         """
+        params = self.parameter_table() if params is None else params
+        plans = self.__dict__.setdefault("_weight_plans", {})
+        plan = plans.get(name, _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = plans[name] = self._plan(name, params)  # names and shapes never change: planned once
+        if plan is None:
+            return None
+        param = params[plan.pname].data  # the parameter now: sleep and to_empty may swap it
+        places = plan.places
+        cuts = (places[0].bind(param),) if len(places) == 1 else tuple(place.bind(param) for place in places)
+        return WeightTarget(plan.keys, plan.full_shape, cuts)
+
+    def _plan(self, name: str, params: dict[str, nn.Parameter]) -> _Plan | None:
         mapped = _map_checkpoint_name(name)
         if mapped is None:
             return None
-        pname, shard, kind = mapped
+        pname, shard, _ = mapped
         if pname == "lm_head.weight" and self.shape.tie_word_embeddings:
             return None  # some tied checkpoints store the shared matrix twice
-        params = self.parameter_table() if params is None else params
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in this {self.shape.model_type} model")
+        shape = tuple(params[pname].shape)
         module = self._merged_modules().get(pname.rsplit(".", 1)[0])
         if shard is not None:
             if module is None:
                 raise ValueError(f"checkpoint tensor {name!r} is a shard, but {pname!r} is not a fused layer here")
-            full_shape, cut = _cut(module.shard_view(shard, kind), 0, *self._shard_ranges[shard])
-            return WeightTarget((f"{pname}:{shard}",), full_shape, (cut,))
+            offset, _ = module.offsets[shard]
+            start, length, full = self._shard_ranges[shard]
+            place = _Place(0, offset, start, length, whole=length == full, all_rows=False)
+            return _Plan(pname, (f"{pname}:{shard}",), (full, *shape[1:]), (place,))
         if module is not None:
-            return self._fused_target(pname, params[pname].data, module)
-        split = self._split_of(pname)
-        if split is None:  # replicated: norms, and biases added after a sum
-            full_shape, cut = _cut(params[pname].data, 0, 0, params[pname].shape[0], params[pname].shape[0])
-        else:
-            full_shape, cut = _cut(params[pname].data, *split)
-        return WeightTarget((pname,), full_shape, (cut,))
+            return self._fused_plan(pname, shape, module)
+        dim, start, length, full = self._split_of(pname) or (0, 0, shape[0], shape[0])
+        whole = start == 0 and length == full == shape[dim]
+        full_shape = (*shape[:dim], full, *shape[dim + 1 :])
+        place = _Place(dim, 0, start, length, whole=whole, all_rows=length == shape[dim])
+        return _Plan(pname, (pname,), full_shape, (place,))
 
-    def _fused_target(self, pname: str, param: torch.Tensor, module: MergedLinear) -> WeightTarget:
+    def _fused_plan(self, pname: str, shape: tuple[int, ...], module: MergedLinear) -> _Plan:
         """A fused q|k|v or gate|up tensor pushed whole: each rank takes its rows of every part."""
         keys = tuple(f"{pname}:{shard}" for shard in module.offsets)
         ranges = [self._shard_ranges[shard] for shard in module.offsets]
         full_rows = sum(full for _, _, full in ranges)
-        full_shape = (full_rows, *param.shape[1:])
-        if full_rows == param.shape[0]:  # one device: the whole tensor in one copy
-            return WeightTarget(keys, full_shape, (WeightCut(param, 0, 0, full_rows, whole=True),))
-        cuts, offset = [], 0
-        for (shard, (local_offset, local_rows)), (start, length, full) in zip(module.offsets.items(), ranges):
-            cuts.append(WeightCut(param.narrow(0, local_offset, local_rows), 0, offset + start, length, whole=False))
+        full_shape = (full_rows, *shape[1:])
+        if full_rows == shape[0]:  # one device: the whole tensor in one copy
+            return _Plan(pname, keys, full_shape, (_Place(0, 0, 0, full_rows, whole=True, all_rows=True),))
+        places, offset = [], 0
+        for (local_offset, _), (start, length, full) in zip(module.offsets.values(), ranges):
+            places.append(_Place(0, local_offset, offset + start, length, whole=False, all_rows=False))
             offset += full
-        return WeightTarget(keys, full_shape, tuple(cuts))
+        return _Plan(pname, keys, full_shape, tuple(places))
 
     def _part_ranges(self) -> dict[str, tuple[int, int, int]]:
         """``(start, length, full length)`` of this rank's rows in each part's full checkpoint tensor."""
@@ -378,9 +412,8 @@ class CausalLM(nn.Module):
 
     def _split_of(self, pname: str) -> tuple[int, int, int, int] | None:
         """``(dim, start, length, full length)`` of this rank's part of an unfused parameter's
-        full tensor; None for one every rank holds whole."""
-        owner = pname.rsplit(".", 2)
-        tail = ".".join(owner[-2:])
+        full tensor; None for one every rank holds whole (norms)."""
+        tail = ".".join(pname.rsplit(".", 2)[-2:])
         if tail == "o_proj.weight":  # row-parallel: this rank's heads are its input columns
             return (1, *self._shard_ranges["q"])
         if tail == "down_proj.weight":
