@@ -276,9 +276,7 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(
-        self, config: Any, max_positions: int, backend: AttentionBackend, tp: TensorParallel = SINGLE
-    ) -> None:
+    def __init__(self, config: Any, max_positions: int, backend: AttentionBackend, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.tp = tp
         self.shape = DecoderShape.from_config(config)  # the whole model's

@@ -2,10 +2,10 @@
 
 Every name and shape is checked against the model before the first byte is received (the
 full shape: a trainer sends whole tensors, and under tensor parallelism each rank keeps the
-slice of each that ``CausalLM.weight_target`` names); a refused update writes nothing (an nccl one is still received and dropped, so the trainer's
-broadcast completes and the group stays in step). Tensors are copied into the parameters
-in place, casting on the device (fp32 masters into bf16 weights), so CUDA graphs and sleep
-arenas keep their addresses.
+slice of each that ``CausalLM.weight_target`` names); a refused update writes nothing (an
+nccl one is still received and dropped, so the trainer's broadcast completes and the group
+stays in step). Tensors are copied into the parameters in place, casting on the device (fp32
+masters into bf16 weights), so CUDA graphs and sleep arenas keep their addresses.
 """
 
 from __future__ import annotations

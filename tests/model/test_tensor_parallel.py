@@ -17,12 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 import tp_ranks
-from tp_ranks import CASES, EMBEDDED, FUSED_SEED, TRAINER_SEED, UPDATE_CASE, Job
+from tp_ranks import BROADCAST_SEED, CASES, EMBEDDED, FUSED_SEED, TRAINER_SEED, UPDATE_CASE, Job
 
 from siesta.attention.torch_ref import TorchAttention
 from siesta.model.layers import Linear
 from siesta.model.llama import CausalLM
 from siesta.model.parallel import SINGLE, TensorParallel
+from siesta.weight_transfer.sender import free_port
 
 LOGIT_TOLERANCE = 1e-4  # fp32; the ranks' partial sums add up in another order
 TP4_CASES = ("llama-gqa", "qwen3-qk-norm")  # KV heads (2) fewer than ranks: replicated
@@ -42,10 +43,11 @@ def trainer_shm():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, trainer_shm):
     """One world of four processes for every group: two ranks over every case and the weight
-    updates, four over the replicated-KV cases, three over the embedded model."""
+    updates (the last process broadcasting as the trainer), four over the replicated-KV cases,
+    three over the embedded model."""
     tmp = tmp_path_factory.mktemp("tp")
     info_path = tmp / "shm_info.json"
-    info_path.write_text(json.dumps(trainer_shm[0]))
+    info_path.write_text(json.dumps({"shm": trainer_shm[0], "master_port": free_port()}))
     jobs = [Job(2, tuple(CASES), updates=str(info_path)), Job(4, TP4_CASES), Job(3, (EMBEDDED,))]
     tp_ranks.spawn(4, tmp, jobs)
     return tmp
@@ -63,8 +65,12 @@ def _assert_logits_match(got: list[torch.Tensor], case: str) -> None:
     assert len(got) == len(single) == len(hf)
     for step, (g, s, h) in enumerate(zip(got, single, hf)):
         assert g.shape == s.shape == h.shape, (case, step)
-        torch.testing.assert_close(g, s, rtol=0, atol=LOGIT_TOLERANCE, msg=lambda m: f"{case} step {step} vs tp1: {m}")
-        torch.testing.assert_close(g, h, rtol=0, atol=LOGIT_TOLERANCE, msg=lambda m: f"{case} step {step} vs hf: {m}")
+        torch.testing.assert_close(
+            g, s, rtol=0, atol=LOGIT_TOLERANCE, msg=lambda m, step=step: f"{case} step {step} vs tp1: {m}"
+        )
+        torch.testing.assert_close(
+            g, h, rtol=0, atol=LOGIT_TOLERANCE, msg=lambda m, step=step: f"{case} step {step} vs hf: {m}"
+        )
         assert torch.equal(g.argmax(-1), h.argmax(-1)), (case, step)
 
 
@@ -94,11 +100,19 @@ def test_kv_heads_are_split_or_replicated_by_the_query_heads_that_read_them(rank
     ranks, consecutive ranks share one (rank r of 4 over 2 KV heads holds head r // 2)."""
     local = {(size, r): _load(ranks, size, f"llama-gqa.local.{r}") for size in (2, 4) for r in range(size)}
     assert [(local[2, r]["num_kv_heads"], local[2, r]["kv_head_start"]) for r in range(2)] == [(1, 0), (1, 1)]
-    assert [(local[4, r]["num_kv_heads"], local[4, r]["kv_head_start"]) for r in range(4)] == [(1, 0), (1, 0), (1, 1), (1, 1)]
+    assert [(local[4, r]["num_kv_heads"], local[4, r]["kv_head_start"]) for r in range(4)] == [
+        (1, 0),
+        (1, 0),
+        (1, 1),
+        (1, 1),
+    ]
     assert [local[4, r]["num_heads"] for r in range(4)] == [1, 1, 1, 1]
     mqa = [_load(ranks, 2, f"llama-mqa-tied-odd-vocab.local.{r}") for r in range(2)]
     assert [(m["num_kv_heads"], m["kv_head_start"]) for m in mqa] == [(1, 0), (1, 0)]
-    assert [(m["vocab_start"], m["vocab_size"], m["padded_vocab_size"]) for m in mqa] == [(0, 501, 1002), (501, 501, 1002)]
+    assert [(m["vocab_start"], m["vocab_size"], m["padded_vocab_size"]) for m in mqa] == [
+        (0, 501, 1002),
+        (501, 501, 1002),
+    ]
 
 
 # -- weight updates at tensor parallel 2 --------------------------------------------------------
@@ -147,6 +161,14 @@ def test_full_tensors_pushed_by_name_land_as_each_ranks_slice(ranks, trainer_shm
     config = tp_ranks.case_config(UPDATE_CASE)
     hf = tp_ranks.hf_steps(tp_ranks.hf_model(config, full))[0]
     torch.testing.assert_close(_updates(ranks)[0]["logits_after_push"], hf, rtol=0, atol=LOGIT_TOLERANCE)
+
+
+def test_full_tensors_broadcast_in_a_trainer_group_land_as_each_ranks_slice(ranks):
+    full = tp_ranks.random_weights(tp_ranks.case_config(UPDATE_CASE), BROADCAST_SEED)
+    for rank, result in enumerate(_updates(ranks)):
+        state = result["state_after_broadcast"]
+        for name, want in _slice_by_hand(full, rank).items():
+            assert torch.equal(state[name], want), (rank, name)
 
 
 def test_fused_tensors_pushed_whole_land_as_each_ranks_q_k_v_and_gate_up_rows(ranks):

@@ -25,6 +25,7 @@ from siesta.config import WeightTransferConfig
 from siesta.model.llama import CausalLM
 from siesta.model.parallel import SINGLE, TensorParallel
 from siesta.model.random_init import parameter_layout, random_tensor
+from siesta.weight_transfer.group import open_group
 from siesta.weight_transfer.handles import shm_handle
 from siesta.weight_transfer.receivers import LocalReceiver
 from siesta.weight_transfer.updater import WeightUpdater
@@ -45,15 +46,21 @@ _TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "n
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-gqa": ("llama", {**_TINY, "vocab_size": 1024, "num_key_value_heads": 2, "tie_word_embeddings": False}),
     # One KV head for four query heads: every rank holds a copy of it.
-    "llama-mqa-tied-odd-vocab": ("llama", {**_TINY, "vocab_size": 1001, "num_key_value_heads": 1,
-                                           "tie_word_embeddings": True}),  # fmt: skip
+    "llama-mqa-tied-odd-vocab": (
+        "llama",
+        {**_TINY, "vocab_size": 1001, "num_key_value_heads": 1, "tie_word_embeddings": True},
+    ),
     "qwen2-bias-tied": ("qwen2", {**_TINY, "vocab_size": 1000, "num_key_value_heads": 2, "tie_word_embeddings": True}),
     # head_dim 32 while hidden / heads is 16; untied, and a vocabulary no tp size divides.
-    "qwen3-qk-norm": ("qwen3", {**_TINY, "vocab_size": 1023, "num_key_value_heads": 2, "head_dim": 32,
-                                "tie_word_embeddings": False}),  # fmt: skip
+    "qwen3-qk-norm": (
+        "qwen3",
+        {**_TINY, "vocab_size": 1023, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": False},
+    ),
 }
 UPDATE_CASE = "llama-gqa"
-TRAINER_SEED, FUSED_SEED = 1, 2
+TRAINER_SEED, FUSED_SEED, BROADCAST_SEED = 1, 2, 3
+LOOPBACK = "127.0.0.1"
+BROADCAST_TIMEOUT_S = 60.0
 
 
 def case_config(case: str) -> PretrainedConfig:
@@ -153,7 +160,8 @@ def hf_steps(hf: torch.nn.Module, prompts=PROMPTS, forced=FORCED) -> list[torch.
 @dataclass(frozen=True)
 class Job:
     """A tensor-parallel group of the first ``size`` ranks, the cases it runs, and whether it then
-    runs the weight updates (given the trainer's declaration, in a JSON file)."""
+    runs the weight updates (given the trainer's shm declaration and group port, in a JSON file;
+    the world's last rank, outside the group, is then the trainer that broadcasts)."""
 
     size: int
     cases: tuple[str, ...]
@@ -173,6 +181,8 @@ def rank_main(rank: int, world: int, store_path: str, out_dir: str, jobs: list[J
             # Every rank of the world takes part in creating a group, members or not.
             group = None if job.size == world else dist.new_group(list(range(job.size)))
             if rank >= job.size:
+                if job.updates is not None and rank == world - 1:
+                    _broadcasting_trainer(json.loads(Path(job.updates).read_text())["master_port"], job.size)
                 continue
             tp = TensorParallel(rank=rank, size=job.size, group=group)
             for case in job.cases:
@@ -244,20 +254,49 @@ def _weight_updates(tp: TensorParallel, shm_info_path: str) -> dict[str, Any]:
     result["unchanged_after_refusals"] = all(torch.equal(before[k], after[k]) for k in before)
 
     # Every tensor, unfused, from the trainer's shared memory (the ipc path on the CPU).
-    updater.receive(json.loads(Path(shm_info_path).read_text()))
+    declared = json.loads(Path(shm_info_path).read_text())
+    updater.receive(declared["shm"])
     result["logits_after_push"] = run_steps(model)[0]  # every rank runs the forward: it has collectives
     result["state_after_push"] = {k: v.clone() for k, v in model.state_dict().items()}
 
     # Fused tensors, whole, handed over in process (the path SGLang's tensors take).
     fused = fused_update(FUSED_SEED)
-    info = {"names": list(fused), "dtype_names": ["float32"] * len(fused), "shapes": [list(t.shape) for t in fused.values()]}
+    info = {
+        "names": list(fused),
+        "dtype_names": ["float32"] * len(fused),
+        "shapes": [list(t.shape) for t in fused.values()],
+    }
     updater.state.close()
     updater.start()  # a new update: its written keys are the fused push's alone
     updater.receive(info, LocalReceiver(updater.config, updater.device, list(fused.values())))
     result["fused_written"] = sorted(updater.state.written)
     result["state_after_fused"] = {k: v.clone() for k, v in model.state_dict().items()}
     updater.state.close()
+
+    # Every tensor broadcast by a trainer in a group of its own (the nccl backend, gloo here):
+    # each engine rank receives the full bytes and keeps its slice.
+    weights = random_weights(config, BROADCAST_SEED)
+    broadcast = WeightUpdater(WeightTransferConfig(backend="nccl", timeout_s=BROADCAST_TIMEOUT_S), model,
+                              torch.device("cpu"), local_rank=tp.rank)  # fmt: skip
+    broadcast.init_engine({"master_address": LOOPBACK, "master_port": declared["master_port"], "rank_offset": 1,
+                           "world_size": tp.size + 1})  # fmt: skip
+    broadcast.start()
+    broadcast.receive({"names": list(weights), "dtype_names": ["float32"] * len(weights),
+                       "shapes": [list(t.shape) for t in weights.values()]})  # fmt: skip
+    broadcast.state.close()
+    broadcast.close()
+    result["state_after_broadcast"] = {k: v.clone() for k, v in model.state_dict().items()}
     return result
+
+
+def _broadcasting_trainer(port: int, engine_ranks: int) -> None:
+    """The trainer's side of the nccl backend: rank 0 of its group, each full tensor in turn."""
+    group = open_group(LOOPBACK, port, 0, engine_ranks + 1, torch.device("cpu"), BROADCAST_TIMEOUT_S)
+    try:
+        for tensor in random_weights(case_config(UPDATE_CASE), BROADCAST_SEED).values():
+            group.broadcast(tensor)
+    finally:
+        group.close()
 
 
 def spawn(world: int, tmp: Path, jobs: list[Job]) -> None:
