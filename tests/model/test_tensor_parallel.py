@@ -10,6 +10,7 @@ before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from pathlib import Path
@@ -53,11 +54,24 @@ def ranks(tmp_path_factory, trainer_shm):
     return tmp
 
 
+@contextlib.contextmanager
+def _one_thread():
+    # These forwards are a few dozen rows: on two cores that other test processes keep busy,
+    # two OpenMP threads spin on each other (SmolLM2 through transformers: 5.4 s against 0.55).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _reference(case: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The tensor parallel 1 model's logits and transformers'."""
     config, weights = tp_ranks.case_weights(case)
-    single = tp_ranks.run_steps(tp_ranks.build(config, weights))
-    return single, tp_ranks.hf_steps(tp_ranks.hf_model(config, weights))
+    with _one_thread():
+        single = tp_ranks.run_steps(tp_ranks.build(config, weights))
+        return single, tp_ranks.hf_steps(tp_ranks.hf_model(config, weights))
 
 
 def _assert_logits_match(got: list[torch.Tensor], case: str) -> None:
@@ -113,6 +127,18 @@ def test_kv_heads_are_split_or_replicated_by_the_query_heads_that_read_them(rank
         (0, 501, 1002),
         (501, 501, 1002),
     ]
+
+
+def test_the_model_runners_kv_cache_holds_this_ranks_kv_heads(ranks):
+    """tiny-llama: 2 layers, 2 KV heads of 16, fp32; at two ranks each holds one KV head, so
+    the same bytes hold twice the blocks (every block is half as large)."""
+    single = tp_ranks.runner_kv_cache(SINGLE)
+    block_bytes = 2 * 2 * tp_ranks.BLOCK_SIZE * 16 * 4  # layers x (K, V) x tokens x head_dim x fp32
+    assert single["shape"] == (tp_ranks.RUNNER_KV_BYTES // (2 * block_bytes), 2, 2, tp_ranks.BLOCK_SIZE, 2, 16)
+    for rank in range(2):
+        got = _load(ranks, 2, f"runner.{rank}")
+        assert got["shape"] == (tp_ranks.RUNNER_KV_BYTES // block_bytes, 2, 2, tp_ranks.BLOCK_SIZE, 1, 16)
+        assert got["local"]["kv_head_start"] == rank
 
 
 # -- weight updates at tensor parallel 2 --------------------------------------------------------

@@ -60,6 +60,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 UPDATE_CASE = "llama-gqa"
 TRAINER_SEED, FUSED_SEED, BROADCAST_SEED = 1, 2, 3
 LOOPBACK = "127.0.0.1"
+RUNNER_MODEL = "random:tiny-llama"  # 2 layers, 2 KV heads of 16
+RUNNER_KV_BYTES = 1 << 20
 BROADCAST_TIMEOUT_S = 60.0
 
 
@@ -194,11 +196,24 @@ def rank_main(rank: int, world: int, store_path: str, out_dir: str, jobs: list[J
                 torch.save(asdict(model.local), out / f"tp{job.size}.{case}.local.{rank}.pt")
             if job.updates is not None:
                 torch.save(_weight_updates(tp, job.updates), out / f"tp{job.size}.updates.{rank}.pt")
+                torch.save(runner_kv_cache(tp), out / f"tp{job.size}.runner.{rank}.pt")
     except BaseException:
         (out / f"error.{rank}.txt").write_text(traceback.format_exc())
         raise
     finally:
         dist.destroy_process_group()
+
+
+def runner_kv_cache(tp: TensorParallel) -> dict[str, Any]:
+    """The model runner's KV cache on this rank: its shape and the block count its bytes buy."""
+    from siesta.config import EngineConfig
+    from siesta.core.model_runner import ModelRunner
+    from siesta.model.loader import resolve_model
+
+    config = EngineConfig.from_flags(model=RUNNER_MODEL, dtype="float32", kv_cache_bytes=RUNNER_KV_BYTES, device="cpu",
+                                     attention_backend="torch", enable_sleep_mode=False)  # fmt: skip
+    runner = ModelRunner(config, resolve_model(RUNNER_MODEL), MAX_POSITIONS, tp)
+    return {"shape": tuple(runner.kv_cache.tensor.shape), "local": asdict(runner.model.local)}
 
 
 def write_shm_weights(path: str, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
