@@ -172,7 +172,7 @@ class ModelRunner:
     def _build_model(self, source: ModelSource) -> CausalLM:
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = CausalLM(source.hf_config, self.max_model_len, self.backend)
+            model = CausalLM(source.hf_config, self.max_model_len, self.backend, self.tp)
         # Materialise on the device without initialising: every parameter is loaded next.
         model = model.to(dtype=self.dtype)
         if self.use_arenas:
@@ -196,7 +196,7 @@ class ModelRunner:
         return written
 
     def _allocate_kv_cache(self) -> KVCache:
-        shape = self.model.shape
+        shape = self.model.local  # this rank's KV heads only
         block_bytes = KVCache.bytes_per_block(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
         num_blocks = max(1, self._kv_cache_bytes() // block_bytes)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size, num_blocks * block_bytes / 2**20)
@@ -230,7 +230,7 @@ class ModelRunner:
     def _profile_activation_bytes(self) -> int:
         """Peak memory of one full-budget prefill, run against a throwaway one-block cache."""
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        shape = self.model.shape
+        shape = self.model.local
         scratch = KVCache.allocate(
             -(-n // self.block_size), shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim,
             self.dtype, self.device,

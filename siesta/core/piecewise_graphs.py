@@ -56,7 +56,7 @@ class PiecewiseGraphs:
         # Every bucket below the step budget and the first that holds it (the largest, past 2,048).
         holds_all = next((b for b in BUCKETS if b >= max_tokens), BUCKETS[-1])
         self.buckets = sorted({b for b in BUCKETS if b < max_tokens} | {holds_all})
-        shape = model.shape
+        shape, local = model.shape, model.local  # attention buffers hold this rank's heads
         n, dev = self.buckets[-1], kv_cache.tensor.device
         dtype = model.lm_head.weight.dtype
 
@@ -66,11 +66,11 @@ class PiecewiseGraphs:
         self.buf = _Buffers(
             input_ids=torch.zeros(n, dtype=torch.int64, device=dev),
             positions=torch.zeros(n, dtype=torch.int64, device=dev),
-            q=zeros(shape.num_heads, shape.head_dim),
-            k=zeros(shape.num_kv_heads, shape.head_dim),
-            v=zeros(shape.num_kv_heads, shape.head_dim),
+            q=zeros(local.num_heads, local.head_dim),
+            k=zeros(local.num_kv_heads, local.head_dim),
+            v=zeros(local.num_kv_heads, local.head_dim),
             residual=zeros(shape.hidden_size),
-            attn_out=zeros(shape.num_heads, shape.head_dim),
+            attn_out=zeros(local.num_heads, local.head_dim),
             hidden=zeros(shape.hidden_size),
         )
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}

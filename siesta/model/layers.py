@@ -173,7 +173,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class MergedLinear(nn.Module):
     """One matmul for several projections of the same input (q/k/v, gate/up).
 
-    Checkpoints store the parts separately; ``shard_view`` is where each one's rows go.
+    Checkpoints store the parts separately; ``offsets`` says which rows each one's take
+    (``CausalLM.weight_target`` cuts them into place).
     """
 
     def __init__(self, in_features: int, out_sizes: dict[str, int], bias: bool) -> None:
@@ -188,11 +189,3 @@ class MergedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
-
-    def shard_view(self, shard: str, kind: str) -> torch.Tensor:
-        """The rows of ``shard`` (q, k, v, gate, up) in the fused weight or bias."""
-        start, size = self.offsets[shard]
-        target = self.weight if kind == "weight" else self.bias
-        if target is None:
-            raise ValueError(f"checkpoint has a {shard} bias but this model has none")
-        return target.data[start : start + size]

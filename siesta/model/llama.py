@@ -3,6 +3,10 @@
 Parameters keep Hugging Face checkpoint names, except that q/k/v and gate/up are
 fused into one matmul each; ``load_weights`` maps checkpoint tensors onto them, so
 a trainer's ``state_dict()`` loads directly.
+
+Under tensor parallelism (``TensorParallel``, cut as ``tensor_parallel`` says) each rank's
+model holds its shard of every parameter, and ``weight_target`` says which part of each full
+checkpoint tensor that is: every loader and every weight push hands over full tensors.
 """
 
 from __future__ import annotations
@@ -10,23 +14,89 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from siesta.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from siesta.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
+from siesta.model.parallel import SINGLE, TensorParallel
+from siesta.model.tensor_parallel import LocalShape, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-@dataclass(frozen=True)
-class WeightTarget:
-    """The tensor a checkpoint tensor is copied into, and the name ``load_weights`` reports."""
+class WeightCut(NamedTuple):
+    """``full.narrow(dim, start, length)`` of a full checkpoint tensor lands in ``dest``.
 
-    key: str  # "param" or "param:shard" for the rows of a fused parameter
-    view: torch.Tensor
+    Tuples, not dataclasses: a weight push builds a target per tensor, and a frozen
+    dataclass's ``__init__`` costs a microsecond more per object (the 8B push is 291 tensors)."""
+
+    dest: torch.Tensor
+    dim: int
+    start: int
+    length: int
+    whole: bool  # the cut is the full tensor itself: taken as is (no view to build per tensor)
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        return full if self.whole else full.narrow(self.dim, self.start, self.length)
+
+
+class WeightTarget(NamedTuple):
+    """Where a full checkpoint tensor goes on this rank, and which part of it this rank keeps.
+
+    One cut, except for a fused q|k|v (or gate|up) tensor pushed whole under tensor
+    parallelism: this rank's q rows, its k rows and its v rows are three ranges of it.
+    """
+
+    keys: tuple[str, ...]  # what ``load_weights`` reports written: "param", or "param:shard" per shard
+    full_shape: tuple[int, ...]  # the whole tensor's shape, as checkpoints and trainers hold it
+    cuts: tuple[WeightCut, ...]
+
+    @property
+    def view(self) -> torch.Tensor:
+        """This rank's destination of a one-cut target (what the checkpoint tensor's shard becomes)."""
+        if len(self.cuts) != 1:
+            raise ValueError(f"{self.keys} land in {len(self.cuts)} places on this rank, not one")
+        return self.cuts[0].dest
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full``: a view for one cut; the pieces of a fused tensor joined."""
+        if len(self.cuts) == 1:
+            return self.cuts[0].of(full)
+        return torch.cat([cut.of(full) for cut in self.cuts], dim=self.cuts[0].dim)
+
+    def write(self, full: torch.Tensor) -> None:
+        """Copy this rank's part of ``full`` into the parameters (casting to their dtype)."""
+        for cut in self.cuts:
+            cut.dest.copy_(cut.of(full))
+
+
+class _Place(NamedTuple):
+    """A WeightCut without its tensor: ``full.narrow(dim, start, length)`` lands in the
+    parameter's ``length`` rows from ``dest_offset`` (along ``dim``)."""
+
+    dim: int
+    dest_offset: int
+    start: int
+    length: int
+    whole: bool  # the cut is the full tensor itself
+    all_rows: bool  # the destination is the whole parameter
+
+    def bind(self, param: torch.Tensor) -> WeightCut:
+        dest = param if self.all_rows else param.narrow(self.dim, self.dest_offset, self.length)
+        return WeightCut(dest, self.dim, self.start, self.length, self.whole)
+
+
+class _Plan(NamedTuple):
+    pname: str
+    keys: tuple[str, ...]
+    full_shape: tuple[int, ...]
+    places: tuple[_Place, ...]
+
+
+_UNPLANNED = object()
 
 
 @dataclass(frozen=True)
@@ -74,13 +144,21 @@ class DecoderShape:
 
 
 class Attention(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_idx: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        shape: DecoderShape,
+        local: LocalShape,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
-        q_size, kv_size = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, local.head_dim
+        q_size, kv_size = local.num_heads * local.head_dim, local.num_kv_heads * local.head_dim
         self.qkv_proj = MergedLinear(shape.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=shape.qkv_bias)
-        self.o_proj = Linear(q_size, shape.hidden_size, bias=False)
+        self.o_proj = _row_linear(q_size, shape.hidden_size, tp)
         self.q_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.k_norm = RMSNorm(shape.head_dim, shape.rms_norm_eps) if shape.qk_norm else None
         self.rotary = rotary
@@ -112,24 +190,40 @@ class Attention(nn.Module):
         return self.backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale, out=out)
 
 
+def _row_linear(in_features: int, out_features: int, tp: TensorParallel) -> Linear:
+    """A projection back to the hidden size: the plain layer on one device (today's ops, no
+    collective), else this rank's input columns and the all-reduce."""
+    if tp.size == 1:
+        return Linear(in_features, out_features, bias=False)
+    return RowParallelLinear(in_features, out_features, bias=False, tp=tp)
+
+
 class MLP(nn.Module):
-    def __init__(self, shape: DecoderShape) -> None:
+    def __init__(self, shape: DecoderShape, local: LocalShape, tp: TensorParallel) -> None:
         super().__init__()
-        self.inter = shape.intermediate_size
+        self.inter = local.intermediate_size
         self.gate_up_proj = MergedLinear(shape.hidden_size, {"gate": self.inter, "up": self.inter}, bias=False)
-        self.down_proj = Linear(self.inter, shape.hidden_size, bias=False)
+        self.down_proj = _row_linear(self.inter, shape.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: DecoderShape, layer_idx: int, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(
+        self,
+        shape: DecoderShape,
+        local: LocalShape,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.self_attn = Attention(shape, layer_idx, rotary, backend)
+        self.self_attn = Attention(shape, local, layer_idx, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape)
+        self.mlp = MLP(shape, local, tp)
 
     def forward(
         self,
@@ -165,25 +259,47 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, shape: DecoderShape, max_positions: int, backend: AttentionBackend) -> None:
+    def __init__(
+        self, shape: DecoderShape, local: LocalShape, max_positions: int, backend: AttentionBackend, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        if tp.size == 1:
+            self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(local, shape.hidden_size, tp)
         # One table shared by every layer; not a parameter, never loaded.
         self.rotary = RotaryEmbedding(shape.head_dim, max_positions, shape.rope)
-        self.layers = nn.ModuleList(DecoderLayer(shape, i, self.rotary, backend) for i in range(shape.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(shape, local, i, self.rotary, backend, tp) for i in range(shape.num_layers)
+        )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: Any, max_positions: int, backend: AttentionBackend) -> None:
+    def __init__(self, config: Any, max_positions: int, backend: AttentionBackend, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.shape = DecoderShape.from_config(config)
-        self.model = DecoderModel(self.shape, max_positions, backend)
-        self.lm_head = Linear(self.shape.hidden_size, self.shape.vocab_size, bias=False)
+        self.tp = tp
+        self.shape = DecoderShape.from_config(config)  # the whole model's
+        self.local = LocalShape.of(
+            num_layers=self.shape.num_layers,
+            head_dim=self.shape.head_dim,
+            num_heads=self.shape.num_heads,
+            num_kv_heads=self.shape.num_kv_heads,
+            intermediate_size=self.shape.intermediate_size,
+            vocab_size=self.shape.vocab_size,
+            tp=tp,
+        )
+        self._shard_ranges = self._part_ranges()
+        self.model = DecoderModel(self.shape, self.local, max_positions, backend, tp)
+        if tp.size == 1:
+            self.lm_head = Linear(self.shape.hidden_size, self.shape.vocab_size, bias=False)
+        else:
+            self.lm_head = ParallelLMHead(self.local, self.shape.hidden_size, self.shape.vocab_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share the embedding with the output head; again after ``to_empty``, which unties them."""
+        """Share the embedding with the output head; again after ``to_empty``, which unties them.
+        Under tensor parallelism both hold the same vocabulary rows, so one shard is shared."""
         if self.shape.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -203,7 +319,8 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], written: set[str] | None = None) -> set[str]:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters in place.
+        """Copy checkpoint tensors (Hugging Face names, full shapes) into the parameters in place;
+        under tensor parallelism each rank copies its part of each.
 
         In place, so addresses stay put: CUDA graphs and sleep arenas keep pointing at them.
         Returns the parameter names that were written, collected into ``written`` as they are
@@ -215,36 +332,94 @@ class CausalLM(nn.Module):
             target = self.weight_target(name, params)
             if target is None:
                 continue
-            if target.view.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.view.shape)}")
+            if target.full_shape != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {target.full_shape}")
             with torch.no_grad():
-                target.view.copy_(tensor)
-            written.add(target.key)
+                target.write(tensor)
+            written.update(target.keys)
         return written
 
     def weight_target(self, name: str, params: dict[str, nn.Parameter] | None = None) -> WeightTarget | None:
-        """Where the checkpoint tensor ``name`` goes: a parameter, or the rows of a fused one.
+        """Where the checkpoint tensor ``name`` goes: a parameter, or the rows of a fused one, and
+        which part of the full tensor this rank keeps.
 
         Takes Hugging Face names (``...q_proj.weight``) and this model's fused names
         (``...qkv_proj.weight``). None for tensors the model does not keep (rotary tables,
         the head of a tied checkpoint); raises ValueError, naming it, for one it has no place for.
         Pass ``parameter_table()`` when looking up many: building it walks the whole model.
         """
+        params = self.parameter_table() if params is None else params
+        plans = self.__dict__.setdefault("_weight_plans", {})
+        plan = plans.get(name, _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = plans[name] = self._plan(name, params)  # names and shapes never change: planned once
+        if plan is None:
+            return None
+        param = params[plan.pname].data  # the parameter now: sleep and to_empty may swap it
+        places = plan.places
+        cuts = (places[0].bind(param),) if len(places) == 1 else tuple(place.bind(param) for place in places)
+        return WeightTarget(plan.keys, plan.full_shape, cuts)
+
+    def _plan(self, name: str, params: dict[str, nn.Parameter]) -> _Plan | None:
         mapped = _map_checkpoint_name(name)
         if mapped is None:
             return None
-        pname, shard, kind = mapped
+        pname, shard, _ = mapped
         if pname == "lm_head.weight" and self.shape.tie_word_embeddings:
             return None  # some tied checkpoints store the shared matrix twice
-        params = self.parameter_table() if params is None else params
         if pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in this {self.shape.model_type} model")
-        if shard is None:
-            return WeightTarget(pname, params[pname].data)
+        shape = tuple(params[pname].shape)
         module = self._merged_modules().get(pname.rsplit(".", 1)[0])
-        if module is None:
-            raise ValueError(f"checkpoint tensor {name!r} is a shard, but {pname!r} is not a fused layer here")
-        return WeightTarget(f"{pname}:{shard}", module.shard_view(shard, kind))
+        if shard is not None:
+            if module is None:
+                raise ValueError(f"checkpoint tensor {name!r} is a shard, but {pname!r} is not a fused layer here")
+            offset, _ = module.offsets[shard]
+            start, length, full = self._shard_ranges[shard]
+            place = _Place(0, offset, start, length, whole=length == full, all_rows=False)
+            return _Plan(pname, (f"{pname}:{shard}",), (full, *shape[1:]), (place,))
+        if module is not None:
+            return self._fused_plan(pname, shape, module)
+        dim, start, length, full = self._split_of(pname) or (0, 0, shape[0], shape[0])
+        whole = start == 0 and length == full == shape[dim]
+        full_shape = (*shape[:dim], full, *shape[dim + 1 :])
+        place = _Place(dim, 0, start, length, whole=whole, all_rows=length == shape[dim])
+        return _Plan(pname, (pname,), full_shape, (place,))
+
+    def _fused_plan(self, pname: str, shape: tuple[int, ...], module: MergedLinear) -> _Plan:
+        """A fused q|k|v or gate|up tensor pushed whole: each rank takes its rows of every part."""
+        keys = tuple(f"{pname}:{shard}" for shard in module.offsets)
+        ranges = [self._shard_ranges[shard] for shard in module.offsets]
+        full_rows = sum(full for _, _, full in ranges)
+        full_shape = (full_rows, *shape[1:])
+        if full_rows == shape[0]:  # one device: the whole tensor in one copy
+            return _Plan(pname, keys, full_shape, (_Place(0, 0, 0, full_rows, whole=True, all_rows=True),))
+        places, offset = [], 0
+        for (local_offset, _), (start, length, full) in zip(module.offsets.values(), ranges):
+            places.append(_Place(0, local_offset, offset + start, length, whole=False, all_rows=False))
+            offset += full
+        return _Plan(pname, keys, full_shape, tuple(places))
+
+    def _part_ranges(self) -> dict[str, tuple[int, int, int]]:
+        """``(start, length, full length)`` of this rank's rows in each part's full checkpoint tensor."""
+        local, hd = self.local, self.shape.head_dim
+        q = (local.head_start * hd, local.num_heads * hd, self.shape.num_heads * hd)
+        kv = (local.kv_head_start * hd, local.num_kv_heads * hd, self.shape.num_kv_heads * hd)
+        inter = (local.intermediate_start, local.intermediate_size, self.shape.intermediate_size)
+        return {"q": q, "k": kv, "v": kv, "gate": inter, "up": inter}
+
+    def _split_of(self, pname: str) -> tuple[int, int, int, int] | None:
+        """``(dim, start, length, full length)`` of this rank's part of an unfused parameter's
+        full tensor; None for one every rank holds whole (norms)."""
+        tail = ".".join(pname.rsplit(".", 2)[-2:])
+        if tail == "o_proj.weight":  # row-parallel: this rank's heads are its input columns
+            return (1, *self._shard_ranges["q"])
+        if tail == "down_proj.weight":
+            return (1, *self._shard_ranges["gate"])
+        if pname in ("model.embed_tokens.weight", "lm_head.weight"):
+            local = self.local
+            return 0, local.vocab_start, local.real_vocab_rows(self.shape.vocab_size), self.shape.vocab_size
+        return None
 
     def _merged_modules(self) -> dict[str, MergedLinear]:
         """The fused layers by name: modules are never replaced (their parameters may be), and a
@@ -263,7 +438,7 @@ class CausalLM(nn.Module):
         """What a complete checkpoint writes, in ``load_weights``'s return format."""
         names: set[str] = set()
         for pname, _ in self.named_parameters():
-            module_name, kind = pname.rsplit(".", 1)
+            module_name, _ = pname.rsplit(".", 1)
             module = self.get_submodule(module_name)
             if isinstance(module, MergedLinear):
                 names.update(f"{pname}:{shard}" for shard in module.offsets)

@@ -2,7 +2,8 @@
 
 Every value is a hash of (seed, tensor name, element index) computed with integer
 tensor ops, so the weights are the same on every device and are generated where
-they will live: an 8B model never passes through host memory.
+they will live: an 8B model never passes through host memory. Tensor-parallel ranks
+each generate the same full tensors and keep their slices, as from any checkpoint.
 """
 
 from __future__ import annotations

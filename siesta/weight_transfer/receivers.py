@@ -2,7 +2,9 @@
 
 A receiver neither knows the model nor writes weights: it hands each bucket, as tensors of
 the declared names, dtypes and shapes, to the ``accept`` callback of the updater, which
-checked every name and shape before the first byte moved.
+checked every name and shape before the first byte moved. The tensors are the full ones the
+trainer sent, on every tensor-parallel rank; the updater copies out of each only the slice its
+rank holds (``WeightTarget``), straight from the buffer handed over here.
 """
 
 from __future__ import annotations
