@@ -35,7 +35,6 @@ from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.core.staging import to_device_many
 from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
 from siesta.distributed.collectives import broadcast
-from siesta.distributed.processes import RankFailed
 from siesta.model.llama import CausalLM
 from siesta.model.loader import ModelSource
 from siesta.model.parallel import SINGLE, TensorParallel
@@ -97,6 +96,11 @@ class StepPeers(Protocol):
     """The other tensor-parallel ranks, as the model runner on rank 0 sees them."""
 
     def launch(self, plan: StepPlan) -> None: ...
+
+    def step_failed(self, error: Exception) -> Exception:
+        """What to raise for a step that failed on rank 0 after the other ranks had it: most
+        often a collective that broke because another rank died, which it names."""
+        ...
 
 
 @dataclass
@@ -336,7 +340,7 @@ class ModelRunner:
             return self._launch_planned(sched, plan, sampled, prev)
         except Exception as e:
             # The other ranks run this step's collectives: they cannot be taken back.
-            raise RankFailed(f"rank 0 failed a step the other ranks run too ({type(e).__name__}: {e})") from e
+            raise peers.step_failed(e) from e
 
     def _launch_planned(
         self, sched: SchedulerOutput, plan: StepPlan, sampled: list[ScheduledRequest], prev: LaunchedStep | None

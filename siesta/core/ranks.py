@@ -103,6 +103,14 @@ class Ranks:
     def launch(self, plan: StepPlan) -> None:
         self.procs.send("launch", plan, reply=False)
 
+    def step_failed(self, error: Exception) -> RankFailed:
+        # A peer's death breaks rank 0's collective at once (gloo: connection reset), a moment
+        # before the watcher sees the process go; a hung peer, once the watcher has killed it.
+        reason = self.procs.wait_for_failure(self.procs.heartbeat_timeout_s)
+        if reason is not None:
+            return RankFailed(reason)
+        return RankFailed(f"rank 0 failed a step the other ranks run too ({type(error).__name__}: {error})")
+
     def run(self, op: str, *args: Any, **kwargs: Any) -> Any:
         """``op`` on every rank; rank 0's result. Rank 0's own error wins; another rank's is a
         RankCallFailed (or RankFailed when it died or did not answer)."""

@@ -132,6 +132,16 @@ class RankProcesses:
             del self._replies[seq]
             return [got[rank] for rank in self.ranks]
 
+    @property
+    def heartbeat_timeout_s(self) -> float:
+        return self._heartbeat_timeout_s
+
+    def wait_for_failure(self, timeout_s: float) -> str | None:
+        """A rank's failure, waited for up to ``timeout_s``; None if every rank still runs."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._failure is not None, timeout_s)
+            return self._failure
+
     def take_notes(self, topic: str) -> list[Answer]:
         """The ranks' notes on ``topic`` since the last call (each note's value: (topic, payload))."""
         with self._cond:

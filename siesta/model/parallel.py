@@ -24,7 +24,7 @@ class TensorParallel:
     size: int = 1
     # None means the default group when size > 1; the engine passes a standalone backend
     # (siesta.distributed.group), which all_reduce takes as it is.
-    group: dist.ProcessGroup | dist.Backend | None = None
+    group: dist.ProcessGroup | torch._C._distributed_c10d.Backend | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -46,7 +46,7 @@ class TensorParallel:
         # The collective concatenates along the first dim: gather [size * d0, ...] and move
         # the ranks' blocks to ``dim`` afterwards (one copy, on the device).
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        if isinstance(self.group, dist.Backend):
+        if self.group is not None and not isinstance(self.group, dist.ProcessGroup):
             # The engine's group is a standalone backend (a trainer may own the default group),
             # which torch's gather function does not take; the backend's own call does the same.
             self.group._allgather_base(out, x.contiguous()).wait()
