@@ -353,10 +353,7 @@ class ModelRunner:
             mark = torch.cuda.Event()
             mark.record()
             transfers.mark(mark)
-        unseen = None
-        if plan.num_unseen:
-            unseen = prev.samples.tokens[torch.from_numpy(plan.unseen_rows).to(self.device, non_blocking=True)]
-        inputs = self._device_inputs(plan, unseen, sampled)
+        inputs = self._device_inputs(plan, prev.samples.tokens if plan.num_unseen else None, sampled)
         hidden = self._forward(inputs)
         if transfers:
             # Stores first: they read blocks the previous forward filled, on their own stream.
@@ -378,10 +375,7 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan) -> None:
         """Another rank's step, as planned on rank 0: the same forward and the same collectives
         (the head's gathers of sampled and scored rows), nothing sampled here."""
-        unseen = None
-        if plan.num_unseen:
-            unseen = torch.empty(plan.num_unseen, dtype=torch.long, device=self.device)
-        inputs = self._device_inputs(plan, unseen, [])
+        inputs = self._device_inputs(plan, None, [])
         hidden = self._forward(inputs)
         self._score_prompt(hidden, inputs.prompt)
         if len(plan.logits_rows):
@@ -430,10 +424,7 @@ class ModelRunner:
     def _prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """The step's device inputs on this (single) rank."""
         plan, sampled = self._plan(sched, prev)
-        unseen = None
-        if plan.num_unseen:
-            unseen = prev.samples.tokens[torch.from_numpy(plan.unseen_rows).to(self.device, non_blocking=True)]
-        return self._device_inputs(plan, unseen, sampled)
+        return self._device_inputs(plan, prev.samples.tokens if plan.num_unseen else None, sampled)
 
     def _plan(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> tuple[StepPlan, list[ScheduledRequest]]:
         """The step as host arrays (what every rank needs), and the requests of its sampled rows."""
@@ -479,18 +470,23 @@ class ModelRunner:
         )  # fmt: skip
         return plan, sampled
 
-    def _device_inputs(self, plan: StepPlan, unseen: torch.Tensor | None, sampled: list[ScheduledRequest]) -> StepInputs:
-        """The plan's arrays on the device, one launch; ``unseen``: the ids of the unseen input
-        tokens, on the device (on the other ranks, received here from rank 0)."""
+    def _device_inputs(self, plan: StepPlan, prev_tokens: torch.Tensor | None, sampled: list[ScheduledRequest]) -> StepInputs:
+        """The plan's arrays on the device, in one launch (never a copy engine: tier copies keep
+        those busy). ``prev_tokens``: the previous step's samples on the device, which the unseen
+        input tokens are (None on the other ranks, which receive them from rank 0)."""
         starts, seq_lens = plan.starts, plan.seq_lens
         host = [np.asarray(starts, dtype=np.int32), np.asarray(seq_lens, dtype=np.int32), plan.table, plan.slots,
-                plan.input_ids, plan.positions, plan.logits_rows, plan.unseen_at]  # fmt: skip
+                plan.input_ids, plan.positions, plan.logits_rows, plan.unseen_at, plan.unseen_rows]  # fmt: skip
         if plan.prompt is not None:
             host.extend(plan.prompt[:2])
         moved = to_device_many([torch.from_numpy(h) for h in host], self.device)
-        starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d, at_d = moved[:8]
-        prompt = None if plan.prompt is None else PromptRows(*moved[8:], *plan.prompt[2:])
-        if unseen is not None:
+        starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d, at_d, from_d = moved[:9]
+        prompt = None if plan.prompt is None else PromptRows(*moved[9:], *plan.prompt[2:])
+        if plan.num_unseen:
+            if prev_tokens is not None:
+                unseen = prev_tokens[from_d]
+            else:
+                unseen = torch.empty(plan.num_unseen, dtype=torch.long, device=self.device)
             if self.tp.size > 1:
                 broadcast(self.tp, unseen)  # rank 0 sampled them; every rank embeds them
             ids_d[at_d] = unseen
