@@ -139,7 +139,7 @@ class ParallelConfig:
         size = self.tensor_parallel_size
         if not isinstance(size, int) or size < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {size!r}")
-        if device.type == "cuda" and size > torch.cuda.device_count():
+        if device.type == "cuda" and size > 1 and size > torch.cuda.device_count():
             raise ConfigError(
                 f"tensor_parallel_size={size} needs {size} GPUs; this host has {torch.cuda.device_count()}"
             )

@@ -858,7 +858,8 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's flags (tests build their arguments from it, so a new flag reaches them)."""
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="random:llama-3-8b")
     ap.add_argument("--device", default=None)
@@ -883,7 +884,11 @@ def main() -> None:
     ap.add_argument("--transfer-blocks", type=int, default=2048)
     ap.add_argument("--json", default=None)
     ap.add_argument("--time-budget-s", type=float, default=420.0, help="start no section after this")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = build_parser().parse_args()
 
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "args": vars(args)}  # fmt: skip

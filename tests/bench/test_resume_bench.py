@@ -29,9 +29,10 @@ def test_floor_of_each_request_is_the_kv_before_it_and_its_own_at_link_speed_plu
 
 
 def _args() -> argparse.Namespace:
-    return argparse.Namespace(model=MODEL, device="cpu", max_model_len=512, max_num_batched_tokens=256,
-                              resume_requests=REQUESTS, resume_tokens=PROMPT_TOKENS, tier_block_size=TIER_BLOCK,
-                              tier_bytes=1 << 26, load_window_mib=None, link_gbps=55.0)  # fmt: skip
+    return argparse.Namespace(**(vars(gpu.build_parser().parse_args([])) | dict(
+        model=MODEL, device="cpu", max_model_len=512, max_num_batched_tokens=256, resume_requests=REQUESTS,
+        resume_tokens=PROMPT_TOKENS, tier_block_size=TIER_BLOCK, tier_bytes=1 << 26, load_window_mib=None,
+    )))  # fmt: skip
 
 
 def test_resume_section_runs_on_the_cpu_and_reports_the_floor_from_counted_bytes() -> None:

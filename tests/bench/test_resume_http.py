@@ -31,11 +31,12 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 def _args(model: str) -> argparse.Namespace:
-    return argparse.Namespace(
+    args = gpu.build_parser().parse_args([])
+    return argparse.Namespace(**(vars(args) | dict(
         model=model, device="cpu", max_model_len=1024, max_num_batched_tokens=512, resume_requests=REQUESTS,
         resume_tokens=0, tier_block_size=BLOCK, tier_bytes=64 << 20, load_window_mib=None,
         http_tokenizer=str(DEFAULT_TOKENIZER), http_prompt_words=WORDS, http_kv_cache_bytes=KV_BYTES,
-    )  # fmt: skip
+    )))  # fmt: skip
 
 
 def test_the_tokenizer_folder_and_the_seed_client_travel_with_the_repo() -> None:

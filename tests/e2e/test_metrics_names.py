@@ -6,6 +6,7 @@ tests/test_metrics_names.py checks them on an engine with tiers)."""
 from __future__ import annotations
 
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from siesta.metrics import PREFIX, SPECS
 
 DASHBOARD = Path(__file__).parent.parent.parent / "deploy" / "grafana" / "siesta-tier.json"
 MAX_TOKENS = 4
+COUNT_WAIT_S = 10.0
 PROMPT_LENGTHS = (17, 40, 63)
 VOCAB_LOW, VOCAB_HIGH = 1000, 20000  # plain tokens of the embedded vocabulary, no special ones
 
@@ -76,7 +78,14 @@ def test_a_stop_string_is_counted_as_stopped_under_both_names(http, model_name):
     _, before = _metrics(http)
     choice = http.post("/v1/completions", json=body | {"stop": [stop]}).json()["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["text"] == full[: full.index(stop)]
+    # The front end ends the request on the stop string before the engine has counted it: the
+    # count arrives with the engine's next report.
+    deadline = time.monotonic() + COUNT_WAIT_S
+    key = 'siesta_request_success_total{finished_reason="stop"}'
     _, after = _metrics(http)
+    while _delta(after, before, key) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        _, after = _metrics(http)
     for reason, want in (("stop", 1), ("abort", 0)):
         assert _delta(after, before, f'siesta_request_success_total{{finished_reason="{reason}"}}') == want, reason
         assert _delta(after, before, _vllm("vllm:request_success_total", model_name, finished_reason=reason)) == want
