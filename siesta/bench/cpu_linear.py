@@ -11,6 +11,7 @@ path and oneDNN's speed-up over MKL.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -47,13 +48,14 @@ def run(rows: list[int], repeats: int) -> list[dict[str, float | int | str]]:
             x = torch.randn(m, k, generator=gen)
             flop = 2 * m * n * k
             res: dict[str, float | int | str] = {"matrix": name, "rows": m}
+            paths: dict[str, Callable[[], object]] = {"mkl": functools.partial(F.linear, x, w)}
+            if matmul is not None:
+                paths["onednn"] = functools.partial(matmul, x, w, None, "none", [], "")
+            if m <= cpu_linear.MAX_ROWS and cpu_linear._linear_rows(x, w, None) is not None:
+                paths["rows_kernel"] = functools.partial(cpu_linear._linear_rows, x, w, None)
             with torch.inference_mode():
-                res["mkl_gflops"] = flop / _best_seconds(lambda: F.linear(x, w), repeats) / 1e9
-                if matmul is not None:
-                    onednn = _best_seconds(lambda: matmul(x, w, None, "none", [], ""), repeats)
-                    res["onednn_gflops"] = flop / onednn / 1e9
-                if m <= cpu_linear.MAX_ROWS and cpu_linear._linear_rows(x, w, None) is not None:
-                    res["rows_kernel_gflops"] = flop / _best_seconds(lambda: cpu_linear._linear_rows(x, w, None), repeats) / 1e9
+                for path, fn in paths.items():
+                    res[f"{path}_gflops"] = flop / _best_seconds(fn, repeats) / 1e9
             results.append(res)
     return results
 
