@@ -36,6 +36,7 @@ class LLM:
         max_num_seqs: int = 256,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool | None = None,
+        max_waiting_requests: int = 4096,
         kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
         weight_transfer_config: WeightTransferConfig | dict[str, Any] | str | None = None,
         device: str | None = None,
@@ -48,7 +49,7 @@ class LLM:
             kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, seed=seed, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill, async_scheduling=async_scheduling,
-            kv_transfer_config=kv_transfer_config, weight_transfer_config=weight_transfer_config,
+            max_waiting_requests=max_waiting_requests, kv_transfer_config=kv_transfer_config, weight_transfer_config=weight_transfer_config,
             device=device, enforce_eager=enforce_eager,
             attention_backend=attention_backend, enable_sleep_mode=enable_sleep_mode,
         )  # fmt: skip
