@@ -183,16 +183,32 @@ def _batches(args: argparse.Namespace) -> list[int]:
     return [int(b) for b in args.decode_batches.split(",") if b]
 
 
-def interleave(arms: dict[str, Any], todo: list[Measurement], repeats: int) -> dict[str, dict[str, list[float]]]:
-    """Every measurement ``repeats`` times, each arm right after the other (order alternating)."""
-    samples: dict[str, dict[str, list[float]]] = {name: {m.key: [] for m in todo} for name in arms}
+Samples = dict[str, dict[str, list[float]]]  # arm -> measurement -> one figure per repeat
+
+
+def interleave(arms: dict[str, Any], todo: list[Measurement], repeats: int,
+               after_repeat: Callable[[Samples], None] | None = None) -> Samples:  # fmt: skip
+    """Every measurement ``repeats`` times, each arm right after the other (order alternating).
+    ``after_repeat`` sees the samples so far once each repeat is complete."""
+    samples: Samples = {name: {m.key: [] for m in todo} for name in arms}
     for repeat in range(repeats):
         for m in todo:
             order = list(arms) if repeat % 2 == 0 else list(reversed(arms))
             for name in order:
                 samples[name][m.key].append(m.run(arms[name], repeat))
                 print(f"repeat {repeat}: {name} {m.key} {samples[name][m.key][-1]:,.1f}", flush=True)
+        if after_repeat is not None:
+            after_repeat(samples)
     return samples
+
+
+def summarize(result: dict[str, Any], samples: Samples) -> None:
+    """Medians of each arm and their ratios into ``result``, beside the samples they come from."""
+    for name, per_key in samples.items():
+        result.setdefault(name, {}).update({k: statistics.median(v) for k, v in per_key.items() if v})
+        result[f"{name}_samples"] = per_key
+    if "transformers" in samples:
+        result["ratios"] = {k: result["siesta"][k] / result["transformers"][k] for k in result["transformers"]}
 
 
 def _load() -> list[float]:
@@ -221,15 +237,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for arm in arms.values():
         arm.generate(warmup, 4)
     preempted = arms["siesta"].preemptions()
-    samples = interleave(arms, measurements(args, vocab), args.repeats)
+
+    def checkpoint(samples: Samples) -> None:  # a long run on a busy machine keeps what it measured
+        summarize(result, samples)
+        result["repeats_done"] = len(next(iter(samples["siesta"].values())))
+        result["load_average_after"] = _load()
+        write_json(args.json, result)
+
+    samples = interleave(arms, measurements(args, vocab), args.repeats, checkpoint)
+    summarize(result, samples)
     result["load_average_after"] = _load()
-    for name, per_key in samples.items():
-        result[name] = {k: statistics.median(v) for k, v in per_key.items()}
-        result[f"{name}_samples"] = per_key
     # Recomputed work, which a KV cache too small for the batch costs (see --kv-cache-bytes).
     result["siesta"]["preemptions"] = arms["siesta"].preemptions() - preempted
-    if "transformers" in result:
-        result["ratios"] = {k: result["siesta"][k] / result["transformers"][k] for k in samples["transformers"]}
     del arms, llm
     gc.collect()
     _report(result)
@@ -241,6 +260,8 @@ def _report(result: dict[str, Any]) -> None:
     arms = [a for a in ARMS if a in result]
     rows = []
     for k in result["siesta_samples"]:
+        if k not in result["siesta"]:
+            continue
         row = [k, *(result[a][k] for a in arms)]
         if "ratios" in result:
             row.append(result["ratios"][k])

@@ -55,3 +55,23 @@ def test_arms_alternate_and_see_the_same_prompts_each_repeat_and_new_ones_across
     prompts = [c[1] for c in log]
     assert not {p for p in prompts[:calls_per_repeat]} & {p for p in prompts[calls_per_repeat:]}
     assert any(len(p) == 1 and len(p[0]) == 12 for p in prompts)  # the long prompt
+
+
+def test_each_repeat_is_checkpointed_as_medians_and_ratios() -> None:
+    args = _args(mix="prefill-heavy", num_prompts=2, min_prompt_len=3, max_prompt_len=5, output_len=2, prefill_len=6,
+                 decode_batches="")  # fmt: skip
+    log: list = []
+    arms = {"siesta": _RecordingArm("siesta", log), "transformers": _RecordingArm("transformers", log)}
+    seen: list[int] = []
+    result: dict = {}
+
+    def checkpoint(samples) -> None:
+        throughput.summarize(result, samples)
+        seen.append(len(samples["siesta"]["prefill_6_tok_s"]))
+
+    samples = throughput.interleave(arms, throughput.measurements(args, vocab=300), repeats=3, after_repeat=checkpoint)
+    assert seen == [1, 2, 3]
+    # The recording arm takes 0.5 s per prompt and token: 2 prompts x 2 tokens -> 4 tok / 2 s.
+    assert result["siesta"]["prefill-heavy_output_tok_s"] == 2.0
+    assert result["ratios"] == {"prefill-heavy_output_tok_s": 1.0, "prefill_6_tok_s": 1.0}
+    assert result["transformers_samples"] == samples["transformers"]
