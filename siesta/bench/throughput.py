@@ -1,16 +1,33 @@
 """``siesta bench throughput``: siesta against transformers' batched ``generate``.
 
 Both arms get the same weights (loaded from the same source), the same dtype and
-the same random token-id prompts, in one process. Reported: output tok/s of each
-arm and their ratio; prefill tok/s at one long prompt; decode tok/s at fixed
-batch sizes (time of N+1 generated tokens minus time of 1, per token).
+the same random token-id prompts, in one process, and run interleaved: each
+measurement is taken for siesta and for transformers back to back (their order
+alternating from repeat to repeat), ``--repeats`` times, and the medians are
+reported with their ratio. On a machine shared with other work both arms then see
+the same load; the load average before and after the run is recorded.
+
+Measured:
+- output tok/s of each mix (``--mix``): ``decode-heavy`` (64 prompts of 100-1,000
+  tokens, 128 new tokens each) and ``prefill-heavy`` (32 prompts of 150-1,000 tokens,
+  64 new tokens each, about 9 prompt tokens per output token);
+- prefill tok/s of one ``--prefill-len`` prompt (one new token);
+- decode tok/s at fixed batch sizes (time of N+1 generated tokens minus time of 1, per token).
+
+Every repeat uses fresh prompts (another seed), so siesta's prefix cache never serves a
+prompt it computed in an earlier repeat.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import os
+import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,51 +36,91 @@ from siesta.bench.common import print_table, random_prompts, write_json
 from siesta.sampling import SamplingParams
 
 PREEMPTIONS = "siesta_num_preemptions_total"
+ARMS = ("siesta", "transformers")
+# Seeds of one repeat's prompts: repeat r adds r * REPEAT_SEED_STRIDE to each, so no two
+# repeats (nor the mixes, the long prompt and the decode batches) share a prompt.
+REPEAT_SEED_STRIDE = 1000
+LONG_PROMPT_SEED, DECODE_SEED_ONE, DECODE_SEED_MANY, MIX_SEED_OFFSET = 1, 100, 200, 300
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A batch of random prompts and how many tokens each generates."""
+
+    name: str
+    num_prompts: int
+    min_prompt_len: int
+    max_prompt_len: int
+    output_len: int
+
+
+MIXES = {
+    "decode-heavy": Mix("decode-heavy", num_prompts=64, min_prompt_len=100, max_prompt_len=1000, output_len=128),
+    "prefill-heavy": Mix("prefill-heavy", num_prompts=32, min_prompt_len=150, max_prompt_len=1000, output_len=64),
+}
+MIX_CHOICES = (*MIXES, "both")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--min-prompt-len", type=int, default=100)
-    p.add_argument("--max-prompt-len", type=int, default=1000)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--mix", choices=MIX_CHOICES, default="both", help="which prompt mix(es) to time")
+    # Each overrides that field of every mix run (None: the mix's own value).
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--min-prompt-len", type=int, default=None)
+    p.add_argument("--max-prompt-len", type=int, default=None)
+    p.add_argument("--output-len", type=int, default=None)
     p.add_argument("--prefill-len", type=int, default=2000)
-    p.add_argument("--decode-batches", default="1,64", help="comma-separated batch sizes")
+    p.add_argument("--decode-batches", default="1,64", help="comma-separated batch sizes ('' for none)")
     p.add_argument("--decode-context", type=int, default=128, help="prompt length for the decode runs")
     p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every measurement")
     p.add_argument("--prompt-seed", type=int, default=0)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--json", default=None, help="write the results here")
 
 
-# -- siesta ------------------------------------------------------------------------------
+def selected_mixes(args: argparse.Namespace) -> list[Mix]:
+    names = list(MIXES) if args.mix == "both" else [args.mix]
+    overrides = {f: getattr(args, f) for f in ("num_prompts", "min_prompt_len", "max_prompt_len", "output_len")}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    return [dataclasses.replace(MIXES[n], **overrides) for n in names]
 
 
-def _siesta_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - t0
+# -- the two arms: each times "generate these prompts, max_tokens each" -----------------------
 
 
-def _siesta_arm(llm, args: argparse.Namespace, prompts: list[list[int]], vocab: int) -> dict[str, Any]:
-    _siesta_generate(llm, random_prompts(2, 16, 32, vocab, seed=99), 4)  # warm-up
-    preempted = llm.get_metrics().get(PREEMPTIONS, 0.0)
-    elapsed = _siesta_generate(llm, prompts, args.output_len)
-    res = {"elapsed_s": elapsed, "output_tok_s": len(prompts) * args.output_len / elapsed}
-    # Recomputed work, which a KV cache too small for the batch costs (see --kv-cache-bytes).
-    res["preemptions"] = llm.get_metrics().get(PREEMPTIONS, 0.0) - preempted
-    long_prompt = random_prompts(1, args.prefill_len, args.prefill_len, vocab, seed=1)
-    res["prefill_tok_s"] = args.prefill_len / _siesta_generate(llm, long_prompt, 1)
-    for b in _batches(args):
-        ps = random_prompts(b, args.decode_context, args.decode_context, vocab, seed=100 + b)
-        t1 = _siesta_generate(llm, ps, 1)
-        ps = random_prompts(b, args.decode_context, args.decode_context, vocab, seed=200 + b)
-        tn = _siesta_generate(llm, ps, args.decode_steps + 1)
-        res[f"decode_tok_s_batch{b}"] = b * args.decode_steps / max(tn - t1, 1e-9)
-    return res
+class SiestaArm:
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    def preemptions(self) -> float:
+        return self.llm.get_metrics().get(PREEMPTIONS, 0.0)
 
 
-# -- transformers --------------------------------------------------------------------------
+class TransformersArm:
+    def __init__(self, model, pad_id: int) -> None:
+        self.model, self.pad_id = model, pad_id
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> float:
+        longest = max(len(p) for p in prompts)
+        device = self.model.device
+        ids = torch.full((len(prompts), longest), self.pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding, as batched generation needs
+            ids[i, longest - len(p) :] = torch.tensor(p, device=device)
+            mask[i, longest - len(p) :] = 1
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                min_new_tokens=max_tokens, do_sample=False, pad_token_id=self.pad_id)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
 
 def _hf_model(source, dtype: torch.dtype, device: torch.device):
@@ -80,39 +137,82 @@ def _hf_model(source, dtype: torch.dtype, device: torch.device):
     return model.eval()
 
 
-def _hf_generate(model, prompts: list[list[int]], max_tokens: int, pad_id: int) -> float:
-    longest = max(len(p) for p in prompts)
-    device = model.device
-    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as batched generation needs
-        ids[i, longest - len(p) :] = torch.tensor(p, device=device)
-        mask[i, longest - len(p) :] = 1
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                       do_sample=False, pad_token_id=pad_id)  # fmt: skip
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+# -- measurements ---------------------------------------------------------------------------
 
 
-def _hf_arm(model, args: argparse.Namespace, prompts: list[list[int]], vocab: int, pad_id: int) -> dict[str, Any]:
-    _hf_generate(model, random_prompts(2, 16, 32, vocab, seed=99), 4, pad_id)
-    elapsed = _hf_generate(model, prompts, args.output_len, pad_id)
-    res = {"elapsed_s": elapsed, "output_tok_s": len(prompts) * args.output_len / elapsed}
-    long_prompt = random_prompts(1, args.prefill_len, args.prefill_len, vocab, seed=1)
-    res["prefill_tok_s"] = args.prefill_len / _hf_generate(model, long_prompt, 1, pad_id)
+@dataclass(frozen=True)
+class Measurement:
+    """One figure (tok/s) taken from an arm with prompts of one repeat."""
+
+    key: str
+    run: Callable[[Any, int], float]  # (arm, repeat) -> tok/s
+
+
+def measurements(args: argparse.Namespace, vocab: int) -> list[Measurement]:
+    def seed(base: int, repeat: int) -> int:
+        return args.prompt_seed + base + repeat * REPEAT_SEED_STRIDE
+
+    out: list[Measurement] = []
+    for i, mix in enumerate(selected_mixes(args)):
+
+        def mix_run(arm, repeat: int, mix: Mix = mix, i: int = i) -> float:
+            ps = random_prompts(mix.num_prompts, mix.min_prompt_len, mix.max_prompt_len, vocab,
+                                seed(MIX_SEED_OFFSET + i, repeat))  # fmt: skip
+            return len(ps) * mix.output_len / arm.generate(ps, mix.output_len)
+
+        out.append(Measurement(f"{mix.name}_output_tok_s", mix_run))
+
+    def prefill_run(arm, repeat: int) -> float:
+        ps = random_prompts(1, args.prefill_len, args.prefill_len, vocab, seed(LONG_PROMPT_SEED, repeat))
+        return args.prefill_len / arm.generate(ps, 1)
+
+    out.append(Measurement(f"prefill_{args.prefill_len}_tok_s", prefill_run))
     for b in _batches(args):
-        ps = random_prompts(b, args.decode_context, args.decode_context, vocab, seed=100 + b)
-        t1 = _hf_generate(model, ps, 1, pad_id)
-        tn = _hf_generate(model, ps, args.decode_steps + 1, pad_id)
-        res[f"decode_tok_s_batch{b}"] = b * args.decode_steps / max(tn - t1, 1e-9)
-    return res
+
+        def decode_run(arm, repeat: int, b: int = b) -> float:
+            ctx = args.decode_context
+            t1 = arm.generate(random_prompts(b, ctx, ctx, vocab, seed(DECODE_SEED_ONE + b, repeat)), 1)
+            tn = arm.generate(random_prompts(b, ctx, ctx, vocab, seed(DECODE_SEED_MANY + b, repeat)), args.decode_steps + 1)  # fmt: skip
+            return b * args.decode_steps / max(tn - t1, 1e-9)
+
+        out.append(Measurement(f"decode_tok_s_batch{b}", decode_run))
+    return out
 
 
 def _batches(args: argparse.Namespace) -> list[int]:
     return [int(b) for b in args.decode_batches.split(",") if b]
+
+
+Samples = dict[str, dict[str, list[float]]]  # arm -> measurement -> one figure per repeat
+
+
+def interleave(arms: dict[str, Any], todo: list[Measurement], repeats: int,
+               after_repeat: Callable[[Samples], None] | None = None) -> Samples:  # fmt: skip
+    """Every measurement ``repeats`` times, each arm right after the other (order alternating).
+    ``after_repeat`` sees the samples so far once each repeat is complete."""
+    samples: Samples = {name: {m.key: [] for m in todo} for name in arms}
+    for repeat in range(repeats):
+        for m in todo:
+            order = list(arms) if repeat % 2 == 0 else list(reversed(arms))
+            for name in order:
+                samples[name][m.key].append(m.run(arms[name], repeat))
+                print(f"repeat {repeat}: {name} {m.key} {samples[name][m.key][-1]:,.1f}", flush=True)
+        if after_repeat is not None:
+            after_repeat(samples)
+    return samples
+
+
+def summarize(result: dict[str, Any], samples: Samples) -> None:
+    """Medians of each arm and their ratios into ``result``, beside the samples they come from."""
+    for name, per_key in samples.items():
+        result.setdefault(name, {}).update({k: statistics.median(v) for k, v in per_key.items() if v})
+        result[f"{name}_samples"] = per_key
+    if "transformers" in samples:
+        result["ratios"] = {k: result["siesta"][k] / result["transformers"][k] for k in result["transformers"]}
+
+
+def _load() -> list[float]:
+    return list(os.getloadavg())
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,35 +221,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     llm = LLM(**engine_kwargs(args))
     vocab = llm.engine.vocab_size
-    prompts = random_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab, args.prompt_seed)
-    print(f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.output_len} output tokens each; "
-          f"dtype {llm.engine.runner.dtype}, device {llm.engine.runner.device}, {torch.get_num_threads()} threads")  # fmt: skip
-    config = {k: v for k, v in vars(args).items() if not callable(v)}
-    result: dict[str, Any] = {"config": config | {"dtype_resolved": str(llm.engine.runner.dtype)}}
-    print("siesta arm ...", flush=True)
-    result["siesta"] = _siesta_arm(llm, args, prompts, vocab)
-    print(f"siesta: {result['siesta']}", flush=True)
     source, dtype, device = llm.engine.source, llm.engine.runner.dtype, llm.engine.runner.device
-    del llm
-    gc.collect()
+    print(f"dtype {dtype}, device {device}, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats; "
+          f"mixes {[dataclasses.asdict(m) for m in selected_mixes(args)]}")  # fmt: skip
+    config = {k: v for k, v in vars(args).items() if not callable(v)}
+    result: dict[str, Any] = {
+        "config": config | {"dtype_resolved": str(dtype), "threads": torch.get_num_threads()},
+        "mixes": [dataclasses.asdict(m) for m in selected_mixes(args)],
+        "load_average_before": _load(),
+    }
+    arms: dict[str, Any] = {"siesta": SiestaArm(llm)}
     if not args.skip_transformers:
-        pad_id = (source.eos_token_ids or [0])[0]
-        print("transformers arm ...", flush=True)
-        result["transformers"] = _hf_arm(_hf_model(source, dtype, device), args, prompts, vocab, pad_id)
+        arms["transformers"] = TransformersArm(_hf_model(source, dtype, device), (source.eos_token_ids or [0])[0])
+    warmup = random_prompts(2, 16, 32, vocab, seed=99)
+    for arm in arms.values():
+        arm.generate(warmup, 4)
+    preempted = arms["siesta"].preemptions()
+
+    def checkpoint(samples: Samples) -> None:  # a long run on a busy machine keeps what it measured
+        summarize(result, samples)
+        result["repeats_done"] = len(next(iter(samples["siesta"].values())))
+        result["load_average_after"] = _load()
+        write_json(args.json, result)
+
+    samples = interleave(arms, measurements(args, vocab), args.repeats, checkpoint)
+    summarize(result, samples)
+    result["load_average_after"] = _load()
+    # Recomputed work, which a KV cache too small for the batch costs (see --kv-cache-bytes).
+    result["siesta"]["preemptions"] = arms["siesta"].preemptions() - preempted
+    del arms, llm
+    gc.collect()
     _report(result)
     write_json(args.json, result)
     return result
 
 
 def _report(result: dict[str, Any]) -> None:
-    arms = [a for a in ("siesta", "transformers") if a in result]
-    keys = [k for k in result["siesta"] if k not in ("elapsed_s", "preemptions")]
+    arms = [a for a in ARMS if a in result]
     rows = []
-    for k in keys:
+    for k in result["siesta_samples"]:
+        if k not in result["siesta"]:
+            continue
         row = [k, *(result[a][k] for a in arms)]
-        if len(arms) == 2:
-            row.append(result["siesta"][k] / result["transformers"][k])
+        if "ratios" in result:
+            row.append(result["ratios"][k])
         rows.append(row)
-    headers = ["metric", *arms] + (["siesta / transformers"] if len(arms) == 2 else [])
+    headers = ["metric (median tok/s)", *arms] + (["siesta / transformers"] if "ratios" in result else [])
     print_table("throughput (tok/s)", headers, rows)
-    print(f"siesta preempted {result['siesta']['preemptions']:.0f} times")
+    print(f"siesta preempted {result['siesta']['preemptions']:.0f} times; load average (1, 5, 15 min) "
+          f"{result['load_average_before']} before, {result['load_average_after']} after")  # fmt: skip

@@ -1,16 +1,24 @@
-"""Linear layers of a CPU decode step through the compiled kernel (``linear_rows`` in
-``siesta/attention/cpu_decode.c``, built with the decode attention kernel).
+"""Linear layers on the CPU (fp32, inference): a compiled kernel for a decode step's few rows,
+oneDNN's matmul for more.
 
 At a few rows a linear layer only streams its weights. MKL's gemm reads them at about
-11 GB/s on the 2-core EPYC whatever the thread count; the kernel (OpenMP over the output
-features) at 15-22 GB/s: every linear of a SmolLM2 step at 1 row in 24 ms against 49 ms
-(1.9-2.8x at 1-8 rows). Past ``MAX_ROWS`` the product is compute-bound and gemm is the
-better code.
+11 GB/s on the 2-core EPYC whatever the thread count; the kernel (``linear_rows`` in
+``siesta/attention/cpu_decode.c``, OpenMP over the output features) at 15-22 GB/s: every
+linear of a SmolLM2 step at 1 row in 24 ms against 49 ms (1.9-2.8x at 1-8 rows). Past
+``MAX_ROWS`` the product is compute-bound.
+
+There ``F.linear`` calls MKL's sgemm, which on this AMD EPYC (AVX-512) reaches about
+200 GFLOP/s at SmolLM2's shapes with 2 threads; oneDNN's matmul (the ``mkldnn`` build
+inside torch, JIT-compiled for the CPU it finds) reaches 400-470 GFLOP/s on the same
+shapes, from 9 rows to a 2,048-token prefill, and beats MKL at 1-8 rows too (where the
+kernel is unavailable). ``python -m siesta.bench.cpu_linear`` measures the three. It reads the plain row-major weight, so weights written
+in place (a weight push, a reload) are what it multiplies: nothing is packed or cached.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -19,19 +27,45 @@ from siesta.attention.cpu_attention import load_kernel
 MAX_ROWS = 8
 
 
-def _takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if x.is_cuda or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.shape[0] == 0:
+def _fp32_inference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if x.is_cuda or x.dim() != 2 or x.shape[0] == 0:
         return False
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
-        return False  # the kernel's output has no backward
+        return False  # neither kernel's output has a backward
     tensors = [x, weight] + ([bias] if bias is not None else [])
-    fp32 = all(t.dtype == torch.float32 for t in tensors)
-    return fp32 and weight.is_contiguous() and x.stride(-1) == 1 and (bias is None or bias.is_contiguous())
+    return all(t.dtype == torch.float32 for t in tensors)
+
+
+def _takes_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    contiguous = weight.is_contiguous() and x.stride(-1) == 1 and (bias is None or bias.is_contiguous())
+    return x.shape[0] <= MAX_ROWS and contiguous
+
+
+@functools.cache
+def onednn_matmul():
+    """torch's oneDNN linear (``mkldnn::_linear_pointwise``), or None in a build without oneDNN."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):  # an op torch does not register in this build
+        return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``F.linear(x, weight, bias)`` for a few fp32 rows on the CPU; None where the kernel does not serve."""
-    lib = load_kernel() if _takes(x, weight, bias) else None
+    """``F.linear(x, weight, bias)`` for fp32 rows on the CPU; None where neither kernel serves."""
+    if not _fp32_inference(x, weight, bias):
+        return None
+    if _takes_rows(x, weight, bias):
+        out = _linear_rows(x, weight, bias)
+        if out is not None:
+            return out
+    matmul = onednn_matmul()
+    return None if matmul is None else matmul(x, weight, bias, "none", [], "")
+
+
+def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    lib = load_kernel()
     if lib is None or not hasattr(lib, "linear_rows"):
         return None
     n, k = weight.shape

@@ -1,4 +1,4 @@
-"""The CPU decode linear kernel against F.linear, and where it declines to serve."""
+"""The CPU linears (the few-row kernel, oneDNN past it) against F.linear, and where they decline to serve."""
 
 from __future__ import annotations
 
@@ -47,14 +47,36 @@ def test_strided_rows_and_any_thread_count_give_the_same_bits() -> None:
     torch.testing.assert_close(results[0], F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-def test_declines_what_gemm_should_do() -> None:
+# Prefill-sized products (a 300-token chunk at SmolLM2's widths, a tail of 3 columns) and
+# the strided inputs oneDNN takes where the row kernel does not.
+@pytest.mark.parametrize("rows,n,k,bias", [(cpu_linear.MAX_ROWS + 1, 16, 16, True), (300, 963, 576, True),
+                                           (2048, 576, 1536, False)])  # fmt: skip
+@torch.inference_mode()
+def test_onednn_serves_more_rows_and_matches_f_linear(rows: int, n: int, k: int, bias: bool) -> None:
+    if cpu_linear.onednn_matmul() is None:
+        pytest.skip("this torch build has no oneDNN")
+    x, w, b = _case(rows, n, k, bias)
+    out = cpu_linear.linear(x, w, b)
+    assert out is not None
+    # Against float64, within the worst-case bound of fp32 dot products of length k (Higham:
+    # k u sum |x w|): oneDNN sums in another order than MKL, so the bits differ from F.linear's.
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    unit = 2.0**-24
+    bound = (k + 1) * unit * (F.linear(x.double().abs(), w.double().abs()) + (0 if b is None else b.double().abs()))
+    assert bool(((out.double() - exact).abs() <= bound).all())
+    wide = torch.zeros(rows, k + 8)
+    wide[:, :k] = x
+    torch.testing.assert_close(cpu_linear.linear(wide[:, :k], w.t().contiguous().t(), b), out, rtol=1e-5, atol=1e-4)
+
+
+def test_declines_what_it_cannot_do() -> None:
     x, w, b = _case(cpu_linear.MAX_ROWS + 1, 16, 16, True)
     with torch.inference_mode():
-        assert cpu_linear.linear(x, w, b) is None  # too many rows: compute-bound
         assert cpu_linear.linear(x[:2].double(), w.double(), None) is None
-        assert cpu_linear.linear(x[:2], w.t(), None) is None  # weight not row-major
+        assert cpu_linear.linear(x[None], w, b) is None  # 3-d input: F.linear's
     w.requires_grad_(True)
     assert cpu_linear.linear(x[:2], w, None) is None  # a backward is wanted
+    assert cpu_linear.linear(x, w, None) is None
 
 
 def test_layers_linear_keeps_autograd_and_matches_in_every_case() -> None:
@@ -69,7 +91,7 @@ def test_layers_linear_keeps_autograd_and_matches_in_every_case() -> None:
             torch.testing.assert_close(linear(xr, w, b), F.linear(xr, w, b), rtol=1e-5, atol=1e-4)
 
 
-def test_model_linears_reach_the_kernel_at_decode_sizes_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_linears_go_through_the_cpu_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     from siesta.model.layers import Linear
 
     layer = Linear(24, 40, bias=True)
@@ -79,7 +101,6 @@ def test_model_linears_reach_the_kernel_at_decode_sizes_only(monkeypatch: pytest
     with torch.inference_mode():
         for rows in (1, cpu_linear.MAX_ROWS + 4):
             x = _case(rows, 40, 24, False, seed=rows)[0]
-            served = kernel(x, layer.weight, layer.bias) is not None
+            assert kernel(x, layer.weight, layer.bias) is not None
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
-            assert served == (rows <= cpu_linear.MAX_ROWS)
-    assert calls == [1, cpu_linear.MAX_ROWS + 4]  # every CPU call is offered to the kernel, which declines big ones
+    assert calls == [1, cpu_linear.MAX_ROWS + 4]  # every CPU call is offered to cpu_linear
