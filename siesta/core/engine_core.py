@@ -594,10 +594,14 @@ class EngineCore(OneCallUpdates):
         return self.weight_version
 
     def _receive(self, update_info: Any, receiver: Receiver | None = None) -> None:
-        t0 = time.perf_counter()
         backend = (receiver or self.updater.receiver).backend
+        self._receive_with(backend, lambda: self.updater.receive(update_info, receiver))
+
+    def _receive_with(self, backend: str, receive) -> None:
+        """``receive()`` (returning the bytes it took), counted under ``backend``."""
+        t0 = time.perf_counter()
         try:
-            nbytes = self.updater.receive(update_info, receiver)
+            nbytes = receive()
         except UpdateFailed:
             self.stats.inc("weight_transfer_failures", backend=backend)
             raise

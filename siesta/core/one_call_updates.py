@@ -30,7 +30,7 @@ import torch
 from siesta.model.loader import resolve_model
 from siesta.weight_transfer.pickled_tensors import SerializedTensors
 from siesta.weight_transfer.receivers import LocalReceiver
-from siesta.weight_transfer.sglang_group import DEFAULT_GROUP_NAME, REJOIN, SglangRendezvous, parse_sglang_group
+from siesta.weight_transfer.sglang_group import DEFAULT_GROUP_NAME, REJOIN, parse_sglang_group
 from siesta.weight_transfer.sglang_updates import distributed_update_info, tensor_update_info
 from siesta.weight_transfer.wire import WeightTransferError, parse_update_info
 
@@ -57,9 +57,8 @@ class OneCallUpdates:
     def init_weights_update_group(self: EngineCore, init_info: Any) -> str:
         """Join the trainer's group through SGLang's rendezvous; returns its name."""
         self._settle()
-        info = parse_sglang_group(init_info)
-        self.updater.join_group(info.group_name, info, SglangRendezvous())
-        return info.group_name
+        parse_sglang_group(init_info)  # refused here, before any rank waits at the rendezvous
+        return self.updater.join_sglang_group(init_info)
 
     def destroy_weights_update_group(self: EngineCore, group_name: str = DEFAULT_GROUP_NAME) -> None:
         self._settle()
@@ -87,7 +86,7 @@ class OneCallUpdates:
         except WeightTransferError as e:
             # Without a valid declaration the trainer's broadcast cannot be taken and dropped, and
             # left unread it would be read as the next update's: close the group instead.
-            receiver.close()
+            self.updater.close_group(group_name)
             raise WeightTransferError(f"{e}; weight update group {group_name!r} is closed: {REJOIN} again") from None
         return self._one_call_update(lambda: self._receive(info, receiver), **options)
 
@@ -104,7 +103,12 @@ class OneCallUpdates:
         named = self._serialized.decode(serialized[0], load_format)  # refused here: nothing aborted or written
         info, tensors = tensor_update_info(named)
         receiver = LocalReceiver(self.config.weight_transfer, self.runner.device, tensors)
-        return self._one_call_update(lambda: self._receive(info, receiver), **options)
+        if ranks == 1:
+            return self._one_call_update(lambda: self._receive(info, receiver), **options)
+        # Every rank decodes its own entry (rank 0's again, in the transaction).
+        backend = receiver.backend
+        return self._one_call_update(lambda: self._receive_with(backend, lambda: self.updater.receive_serialized(
+            serialized, load_format)), **options)  # fmt: skip
 
     def update_weights_from_disk(self: EngineCore, model_path: str, **options: Any) -> OneCallResult:
         resolve_model(model_path)  # a path that is no model is refused before anything changes

@@ -23,6 +23,10 @@ from siesta.core.tier_ranks import NOTE, SharedBuffer
 from siesta.model.loader import ModelSource, resolve_model
 from siesta.tiers.copy_feeder import CopyFeeder
 from siesta.tiers.transfer import BlockCopier
+from siesta.weight_transfer.pickled_tensors import SerializedTensors
+from siesta.weight_transfer.receivers import LocalReceiver
+from siesta.weight_transfer.sglang_group import SglangRendezvous, parse_sglang_group
+from siesta.weight_transfer.sglang_updates import tensor_update_info
 from siesta.weight_transfer.updater import UpdateFailed, WeightUpdater
 from siesta.weight_transfer.wire import WeightTransferError
 
@@ -58,6 +62,7 @@ class RankOps:
         self.memory: SleepableMemory | ArenaMemory = runner.sleepable_memory()
         self.updater = WeightUpdater(runner.config.weight_transfer, runner.model, runner.device, local_rank)
         self.tiers = RankTierCopies(runner, local_rank, notes) if notes is not None else None
+        self._serialized: SerializedTensors | None = None  # SGLang's tensors, decoded here
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -108,6 +113,35 @@ class RankOps:
 
     def close_update(self) -> None:
         self.updater.state.close()
+
+    # SGLang's one-call updates: each rank joins the trainer's group as rank_offset + its rank,
+    # and takes its own entry of serialized_named_tensors.
+
+    def join_sglang_group(self, init_info: Any) -> str:
+        info = parse_sglang_group(init_info)
+        self.updater.join_group(info.group_name, info, SglangRendezvous())
+        return info.group_name
+
+    def leave_group(self, name: str) -> bool:
+        return self.updater.leave_group(name)
+
+    def receive_in_group(self, name: str, update_info: Any) -> int:
+        receiver = self.updater.groups.get(name)
+        if receiver is None:
+            raise WeightTransferError(f"no weight update group {name!r} on rank {self.rank}")
+        return self.updater.receive(update_info, receiver)
+
+    def close_group(self, name: str) -> None:
+        receiver = self.updater.groups.get(name)
+        if receiver is not None:
+            receiver.close()
+
+    def receive_serialized(self, serialized: list[Any], load_format: str | None) -> int:
+        if self._serialized is None:
+            self._serialized = SerializedTensors(self.runner.device)
+        info, tensors = tensor_update_info(self._serialized.decode(serialized[self.rank], load_format))
+        receiver = LocalReceiver(self.runner.config.weight_transfer, self.runner.device, tensors)
+        return self.updater.receive(info, receiver)
 
     # -- the KV tiers (rank 0's connector decides; this rank copies its part) -------------
 

@@ -244,14 +244,20 @@ class RankedUpdater:
         self._close_others()
 
     def receive(self, update_info: Any, receiver: Receiver | None = None) -> int:
-        if receiver is not None:
-            if self.ranks.size > 1:
-                raise WeightTransferError(
-                    "SGLang's one-call weight updates are not supported at tensor parallel > 1 yet: "
-                    "use vLLM's weight-transfer calls (init_weight_transfer_engine, update_weights)"
-                )
-            return self.local.receive(update_info, receiver)
-        return self._writing(lambda: self.ranks.run("receive", update_info))
+        """Through the configured backend on every rank; or through ``receiver``: one of SGLang's
+        groups (each rank has its own, by name), or tensors handed over here (one rank only)."""
+        if receiver is None:
+            return self._writing(lambda: self.ranks.run("receive", update_info))
+        name = next((n for n, r in self.local.groups.items() if r is receiver), None)
+        if name is not None:
+            return self._writing(lambda: self.ranks.run("receive_in_group", name, update_info))
+        if self.ranks.size > 1:
+            raise WeightTransferError("tensors handed to one rank cannot reach the others: use receive_serialized")
+        return self.local.receive(update_info, receiver)
+
+    def receive_serialized(self, serialized: list[Any], load_format: str | None) -> int:
+        """SGLang's serialized_named_tensors: every rank decodes its own entry and writes its slice."""
+        return self._writing(lambda: self.ranks.run("receive_serialized", serialized, load_format))
 
     def write(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
         if self.ranks.size == 1:
@@ -266,16 +272,17 @@ class RankedUpdater:
         """A checkpoint that every rank reads itself."""
         self._writing(lambda: self.ranks.run("write_path", path))
 
-    def join_group(self, name: str, init_info: Any, rendezvous: Any) -> None:
-        if self.ranks.size > 1:
-            raise WeightTransferError(
-                "SGLang's weight update groups are not supported at tensor parallel > 1 yet: "
-                "use vLLM's weight-transfer calls (init_weight_transfer_engine, update_weights)"
-            )
-        self.local.join_group(name, init_info, rendezvous)
+    def join_sglang_group(self, init_info: Any) -> str:
+        """Every rank joins the trainer's group (SGLang's rendezvous) as rank_offset + its rank;
+        returns the group's name."""
+        return self.ranks.run("join_sglang_group", init_info)
 
     def leave_group(self, name: str) -> bool:
-        return self.local.leave_group(name)
+        return self.ranks.run("leave_group", name)
+
+    def close_group(self, name: str) -> None:
+        """Close (not forget) a group whose broadcast cannot be read: the trainer joins again."""
+        self.ranks.run("close_group", name)
 
     def close(self) -> None:
         self.local.close()

@@ -150,3 +150,61 @@ def test_a_sleep_that_keeps_the_tier_resumes_from_it_on_every_rank(tmp_path):
         assert loaded == full_blocks * kv.block_bytes * 2  # both ranks' shards
     finally:
         llm.engine.close()
+
+
+# -- SGLang's one-call updates reach every rank ------------------------------------------------
+
+
+def test_sglang_tensors_one_entry_per_rank_reach_every_rank(tp2):
+    import torch.multiprocessing as mp
+
+    from weight_transfer.sglang_trainer import serialize
+
+    hf = trainer_model(seed=21)
+    named = [(n, t.detach().contiguous()) for n, t in hf.state_dict().items()]
+    before = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")  # shared memory by name: any process may open it
+    try:
+        entries = [serialize(named), serialize(named)]
+        result = tp2.engine.update_weights_from_tensor(entries, weight_version="sglang-tensors")
+    finally:
+        mp.set_sharing_strategy(before)
+    assert result.weight_version == "sglang-tensors"
+    assert_matches(tp2, hf)
+
+
+def test_sglang_group_every_rank_joins_and_receives(tp2):
+    import threading
+
+    from weight_transfer.sglang_trainer import broadcast_each, init_group_like_sglang
+
+    from siesta.weight_transfer.sender import free_port
+
+    port, name = free_port(), "slime-pp_0"
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3,
+            "group_name": name, "backend": "gloo"}  # fmt: skip
+    joined: list = []
+    t = threading.Thread(target=lambda: joined.append(tp2.engine.init_weights_update_group(init)))
+    t.start()
+    group = init_group_like_sglang("127.0.0.1", port, 3, name, "gloo", 60.0)
+    t.join(60)
+    assert joined == [name]
+    hf = trainer_model(seed=22)
+    named = [(n, t.detach().contiguous()) for n, t in hf.state_dict().items()]
+    done: list = []
+    call = threading.Thread(target=lambda: done.append(tp2.engine.update_weights_from_distributed(
+        [n for n, _ in named], ["float32"] * len(named), [list(t.shape) for _, t in named], group_name=name)))  # fmt: skip
+    call.start()
+    broadcast_each(group, [t for _, t in named])
+    call.join(60)
+    assert done and done[0].weight_version
+    assert_matches(tp2, hf)
+    tp2.engine.destroy_weights_update_group(name)
+
+
+def test_a_checkpoint_from_disk_is_read_by_every_rank(tp2, tmp_path):
+    hf = trainer_model(seed=23)
+    hf.save_pretrained(tmp_path / "ckpt")
+    result = tp2.engine.update_weights_from_disk(str(tmp_path / "ckpt"), weight_version="disk")
+    assert result.weight_version == "disk"
+    assert_matches(tp2, hf)
