@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call: install the wheels the host lacks, run the GPU-only tests, time, print a table last,
 # JSON under $OUT.
+# On a host with several GPUs, the tensor-parallel mode (8B and 70B shapes at 1, 2, 4, ... GPUs):
+#   bash bench/gpu.sh --sections tensor_parallel [--tp-sizes 2,4,8] [--tp-models random:llama-3-8b]
 #   (here) ../shared/gpu/bundle-wheels .whl msgspec   # then run with carry [".whl"]
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -21,27 +21,24 @@ from typing import Any
 import torch
 
 from siesta.bench.common import print_table, random_prompts
-from siesta.bench.resume_http import DEFAULT_TOKENIZER
 from siesta.bench.load_floor import DEFAULT_LINK_GBPS
+from siesta.bench.resume_http import DEFAULT_TOKENIZER
+from siesta.bench.steps import HBM_BYTES_PER_S, decode_step_s, device_kernels, start_decoding, sync
+from siesta.bench.gpu_tp import summary_rows as tensor_parallel_rows
+from siesta.bench.gpu_tp import tensor_parallel
 from siesta.bench.weight_transfer import summary_rows as weight_transfer_rows
 from siesta.bench.weight_transfer import weight_transfer
 
-HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200
 RESUME_NEW_TOKENS = 8  # the seed client's max_tokens
 BF16_PEAK_FLOPS = 989e12  # datasheet dense bf16; the measured matmul ceiling is ~774e12
 MEASURED_MATMUL_FLOPS = 774e12
 MIXED_REPS = 10
-MIXED_TOP_KERNELS = 8
 KERNELS_TOP = 16
 PROFILED_STEPS = 10
 TRACE_SLOW_STEPS = 3
 STEP_IO_REPS = 30
 STEP_IO_DEADLINE_S = 0.1
 
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _section(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
@@ -105,31 +102,7 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
             "graphs": llm.engine.runner.graphs is not None}  # fmt: skip
 
 
-def _start_decoding(llm, batch: int, context: int, steps: int) -> list[str]:
-    """``batch`` greedy requests of ``context`` random tokens, prefilled and a few steps into
-    decoding, with room for ``steps`` more."""
-    from siesta import SamplingParams
 
-    vocab = llm.engine.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    ids = [llm.add_request({"prompt_token_ids": p}, params) for p in random_prompts(batch, context, context, vocab, 7)]
-    while any(r.num_output_tokens == 0 for r in llm.engine.scheduler.requests.values()):
-        llm.step()
-    for _ in range(3):
-        llm.step()
-    return ids
-
-
-def _decode_step_s(llm, batch: int, context: int, steps: int) -> float:
-    ids = _start_decoding(llm, batch, context, steps)
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        llm.step()
-    _sync()
-    dt = (time.perf_counter() - t0) / steps
-    llm.abort(ids)
-    return dt
 
 
 def _replay_s(llm, batch: int, reps: int = 50) -> float:
@@ -160,13 +133,13 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
         if arm == "graphs":
             # Batch 1 while the sleep backup is still being pinned in the background (start-up),
             # then every arm in the steady state: pinning takes the driver's lock from launches.
-            early = _decode_step_s(llm, 1, args.decode_context, args.decode_steps)
+            early = decode_step_s(llm, 1, args.decode_context, args.decode_steps)
             res["graphs_batch1_while_backup_pins"] = {"step_ms": early * 1e3, "tok_s": 1 / early}
         t0 = time.perf_counter()
         llm.engine.memory.backup.settle()
         res[f"{arm}_backup_settle_s"] = time.perf_counter() - t0
         for b in args.decode_batches:
-            dt = _decode_step_s(llm, b, args.decode_context, args.decode_steps)
+            dt = decode_step_s(llm, b, args.decode_context, args.decode_steps)
             floor = (weight_bytes + b * args.decode_context * kv_per_token) / HBM_BYTES_PER_S
             key = f"{arm}_batch{b}"
             res[key] = {"step_ms": dt * 1e3, "tok_s": b / dt, "roofline_ms": floor * 1e3, "of_roofline": floor / dt}
@@ -193,10 +166,10 @@ def prefill(args: argparse.Namespace) -> dict[str, Any]:
     for n in args.prefill_lens:
         for rep in range(3):  # the first run compiles
             ps = random_prompts(1, n, n, vocab, seed=40 + rep)
-            _sync()
+            sync()
             t0 = time.perf_counter()
             llm.generate({"prompt_token_ids": ps[0]}, SamplingParams(max_tokens=1), use_tqdm=False)
-            _sync()
+            sync()
             dt = time.perf_counter() - t0
         attn_flops = 2 * 2 * shape.num_layers * shape.num_heads * shape.head_dim * n * n / 2
         flops = 2 * params * n + attn_flops
@@ -429,7 +402,7 @@ def decode_trace(args: argparse.Namespace) -> dict[str, Any]:
                                 (runner, "_forward"), (runner.model, "compute_logits"), (runner.sampler, "sample"),
                                 (LaunchedStep, "results")):  # fmt: skip
                 timer.wrap(owner, attr)
-            step_s = _decode_step_s(llm, b, args.decode_context, args.decode_steps)
+            step_s = decode_step_s(llm, b, args.decode_context, args.decode_steps)
             timer.unwrap()
             steps = [c for c in timer.calls if c[0] == "llm_step"][-args.decode_steps :]
             per_step = timer.within(steps[0][1], steps[-1][2] + 1e-9)
@@ -554,7 +527,7 @@ def transfers(args: argparse.Namespace) -> dict[str, Any]:
     nbytes = n * kv.block_bytes
     out: dict[str, Any] = {"block_bytes": kv.block_bytes, "blocks": n}
     for rep in range(2):
-        _sync()
+        sync()
         t0 = time.perf_counter()
         copier.wait(copier.store(kv, ids, host))
         store_s = time.perf_counter() - t0
@@ -582,7 +555,7 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
     kv = llm.engine.runner.kv_cache
     copier = BlockCopier(kv.tensor.device)
     batch, steps = args.overlap_batch, args.decode_steps
-    plain_s = _decode_step_s(llm, batch, args.decode_context, steps)
+    plain_s = decode_step_s(llm, batch, args.decode_context, steps)
     # Enough blocks per step to keep the link busy for the whole step (sized from a plain step).
     run = args.tier_block_size // llm.config.cache.block_size
     per_step = max(run, int(plain_s * args.link_gbps * 1e9 / kv.block_bytes) // run * run)
@@ -624,7 +597,7 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
 
         runner._forward = forward
         try:
-            storing_s = _decode_step_s(llm, batch, args.decode_context, steps)
+            storing_s = decode_step_s(llm, batch, args.decode_context, steps)
         finally:
             del runner._forward  # back to the class's method
         t0 = time.perf_counter()
@@ -638,26 +611,6 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
     out["slowdown"] = out["entries_fed"]["slowdown"]  # the connector's own path
     return out
 
-
-def _device_kernels(fn: Callable[[], Any], top: int = MIXED_TOP_KERNELS) -> tuple[float, int, dict[str, float]]:
-    """Device busy ms, kernel launches and ms per kernel name of one call of ``fn`` (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()  # on the CPU (a smoke run) ops stand in for kernels
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        fn()
-        _sync()
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    per_name: dict[str, float] = {}
-    launches = 0
-    for e in prof.events():
-        if e.device_type != kind:
-            continue
-        ms = (e.device_time_total if cuda else e.cpu_time_total) / 1e3
-        per_name[e.name] = per_name.get(e.name, 0.0) + ms
-        launches += 1
-    costliest = dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:top])
-    return sum(per_name.values()), launches, {k[:80]: round(v, 3) for k, v in costliest.items()}
 
 
 def decode_kernels(args: argparse.Namespace) -> dict[str, Any]:
@@ -682,7 +635,7 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, Any]:
         with torch.inference_mode():
             for name, fn in parts.items():
                 fn()
-                busy_ms, launches, top = _device_kernels(fn, top=KERNELS_TOP)
+                busy_ms, launches, top = device_kernels(fn, top=KERNELS_TOP)
                 res[f"batch{b}"][name] = {"device_busy_ms": busy_ms, "launches": launches, "top_kernels": top}
         res[f"batch{b}"]["engine_steps"] = _engine_step_kernels(llm, b, args.decode_context)
     return res
@@ -691,18 +644,18 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, Any]:
 def _engine_step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
     """Per engine decode step (the defaults, in steady state): wall ms, device busy ms and
     kernel launches, and the costliest kernels; everything the step runs, graph or not."""
-    ids = _start_decoding(llm, batch, context, PROFILED_STEPS * 2)  # timed, then profiled
+    ids = start_decoding(llm, batch, context, PROFILED_STEPS * 2)  # timed, then profiled
 
     def steps() -> None:
         for _ in range(PROFILED_STEPS):
             llm.step()
 
-    _sync()
+    sync()
     t0 = time.perf_counter()
     steps()
-    _sync()
+    sync()
     wall_ms = (time.perf_counter() - t0) * 1e3 / PROFILED_STEPS
-    busy_ms, launches, top = _device_kernels(steps, top=KERNELS_TOP)
+    busy_ms, launches, top = device_kernels(steps, top=KERNELS_TOP)
     llm.abort(ids)
     return {"wall_ms": wall_ms, "device_busy_ms": busy_ms / PROFILED_STEPS, "launches": launches / PROFILED_STEPS,
             "top_kernels_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in top.items()}}  # fmt: skip
@@ -733,13 +686,13 @@ def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
             times = []
             with torch.inference_mode():
                 for rep in range(MIXED_REPS + 2):  # two warm-ups
-                    _sync()
+                    sync()
                     t0 = time.perf_counter()
                     hidden[path] = forward().clone()
-                    _sync()
+                    sync()
                     if rep >= 2:
                         times.append(time.perf_counter() - t0)
-                busy_ms, launches, top = _device_kernels(forward)
+                busy_ms, launches, top = device_kernels(forward)
             res[name][path] = {"wall_ms": 1e3 * sorted(times)[len(times) // 2], "device_busy_ms": busy_ms,
                                "launches": launches, "top_kernels": top}  # fmt: skip
         res[name]["max_abs_hidden_diff"] = (hidden["eager"].float() - hidden["engine"].float()).abs().max().item()
@@ -803,9 +756,11 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "decode_trace": decode_trace,
     "step_io": step_io,
     "decode_kernels": decode_kernels,
+    "tensor_parallel": tensor_parallel,
 }
-# Run by name only: diagnostics, and resume_http, which runs the resume section again beside the server.
-DIAGNOSTIC_SECTIONS = ("resume_http", "resume_trace", "decode_trace", "step_io", "decode_kernels")
+# Run by name only: diagnostics; resume_http, which runs the resume section again beside the
+# server; tensor_parallel, which needs a host with several GPUs.
+DIAGNOSTIC_SECTIONS = ("resume_http", "resume_trace", "decode_trace", "step_io", "decode_kernels", "tensor_parallel")
 
 
 def summary(results: dict[str, Any]) -> list[list[Any]]:
@@ -855,6 +810,8 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
                  f"{get('sleep_wake', 'weights_GB_s_wake', default=0) or 0:.1f}", "goal >= 40"])  # fmt: skip
     if isinstance(results.get("weight_transfer"), dict):
         rows.extend(weight_transfer_rows(results["weight_transfer"]))  # ipc push, first push, RL step, nccl
+    if "tensor_parallel" in results:
+        rows.extend(tensor_parallel_rows(results["tensor_parallel"]))
     return rows
 
 
@@ -880,6 +837,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-tokenizer", default=str(DEFAULT_TOKENIZER), help="resume_http: siesta serve's --tokenizer")
     ap.add_argument("--http-prompt-words", type=int, default=2900, help="resume_http: the seed client's --prompt-tokens")
     ap.add_argument("--http-kv-cache-bytes", type=int, default=None, help="resume_http: the server's KV (CPU runs)")
+    ap.add_argument("--tp-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="tensor_parallel: sizes to run (default 1, 2, 4, ... up to the GPUs here)")
+    ap.add_argument("--tp-models", type=lambda s: s.split(","), default=["random:llama-3-8b", "random:llama-3-70b"],
+                    help="tensor_parallel: the models, each at every size that fits")
+    ap.add_argument("--tp-dtype", default="bfloat16", help="tensor_parallel: the weights' dtype")
+    ap.add_argument("--tp-cpu-kv-cache-bytes", type=int, default=64 << 20, help="tensor_parallel on the CPU: KV bytes")
     ap.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS, help="host-to-device GB/s of the resume floor")
     ap.add_argument("--transfer-blocks", type=int, default=2048)
     ap.add_argument("--json", default=None)

@@ -71,6 +71,12 @@ class RankOps:
 
     # -- sleep ---------------------------------------------------------------------------
 
+    def free_device_bytes(self) -> int:
+        """This rank's free device memory (its host memory on the CPU: nothing to report)."""
+        if self.runner.device.type != "cuda":
+            return 0
+        return torch.cuda.mem_get_info(self.runner.device)[0]
+
     def release_kv_cache(self) -> MemoryReport:
         return self.memory.release_kv_cache()
 

@@ -72,6 +72,13 @@ RANDOM_SHAPES: dict[str, RandomShape] = {
         "rope_parameters": _rope(500000.0, **_LLAMA3_SCALING, original_max_position_embeddings=8192),
         "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
     }),
+    "llama-3-70b": RandomShape("llama", {
+        "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": _rope(500000.0, **_LLAMA3_SCALING, original_max_position_embeddings=8192),
+        "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    }),
     "llama-2-7b": RandomShape("llama", {
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,

@@ -1,0 +1,67 @@
+"""Timing an engine's steps, shared by the GPU benches (one device, and tensor parallel)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from siesta.bench.common import random_prompts
+
+HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200
+TOP_KERNELS = 8
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def start_decoding(llm, batch: int, context: int, steps: int) -> list[str]:
+    """``batch`` greedy requests of ``context`` random tokens, prefilled and a few steps into
+    decoding, with room for ``steps`` more."""
+    from siesta import SamplingParams
+
+    vocab = llm.engine.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    ids = [llm.add_request({"prompt_token_ids": p}, params) for p in random_prompts(batch, context, context, vocab, 7)]
+    while any(r.num_output_tokens == 0 for r in llm.engine.scheduler.requests.values()):
+        llm.step()
+    for _ in range(3):
+        llm.step()
+    return ids
+
+
+def decode_step_s(llm, batch: int, context: int, steps: int) -> float:
+    ids = start_decoding(llm, batch, context, steps)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    sync()
+    dt = (time.perf_counter() - t0) / steps
+    llm.abort(ids)
+    return dt
+
+
+def device_kernels(fn: Callable[[], Any], top: int = TOP_KERNELS) -> tuple[float, int, dict[str, float]]:
+    """Device busy ms, kernel launches and ms per kernel name of one call of ``fn`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()  # on the CPU (a smoke run) ops stand in for kernels
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        fn()
+        sync()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    per_name: dict[str, float] = {}
+    launches = 0
+    for e in prof.events():
+        if e.device_type != kind:
+            continue
+        ms = (e.device_time_total if cuda else e.cpu_time_total) / 1e3
+        per_name[e.name] = per_name.get(e.name, 0.0) + ms
+        launches += 1
+    costliest = dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:top])
+    return sum(per_name.values()), launches, {k[:80]: round(v, 3) for k, v in costliest.items()}
