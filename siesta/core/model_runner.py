@@ -34,7 +34,7 @@ from siesta.core.sampler import (
 from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.core.staging import to_device_many
 from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
-from siesta.distributed.collectives import broadcast
+from siesta.distributed.collectives import broadcast, min_over_ranks
 from siesta.model.llama import CausalLM
 from siesta.model.loader import ModelSource
 from siesta.model.parallel import SINGLE, TensorParallel
@@ -202,7 +202,8 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> KVCache:
         shape = self.model.local  # this rank's KV heads only
         block_bytes = KVCache.bytes_per_block(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
-        num_blocks = max(1, self._kv_cache_bytes() // block_bytes)
+        # Every rank holds the same blocks: the one with least room decides (profiles differ a little).
+        num_blocks = min_over_ranks(self.tp, max(1, self._kv_cache_bytes() // block_bytes), self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size, num_blocks * block_bytes / 2**20)
         storage = None
         if self.use_arenas:

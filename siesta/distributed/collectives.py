@@ -29,7 +29,5 @@ def min_over_ranks(tp: TensorParallel, value: int, device: torch.device) -> int:
     if tp.size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
-    tp.group.allreduce([t], opts).wait()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=tp.group)  # takes a standalone backend too
     return int(t.item())
