@@ -27,6 +27,10 @@ from siesta.model.parallel import SINGLE, TensorParallel
 from siesta.weight_transfer.sender import free_port
 
 LOGIT_TOLERANCE = 1e-4  # fp32; the ranks' partial sums add up in another order
+# The embedded model has 30 layers of 576-wide sums (the tiny ones 2 of 64), and its CPU linears
+# go through oneDNN, whose fp32 sums are within the dot-product bound but not MKL's bits: the
+# reordering error grows with depth and width (3.3e-4 measured against 1e-4 on the tiny models).
+DEEP_LOGIT_TOLERANCE = 1e-3
 TP4_CASES = ("llama-gqa", "qwen3-qk-norm")  # KV heads (2) fewer than ranks: replicated
 SHM_DIR = Path("/dev/shm")
 
@@ -76,14 +80,15 @@ def _reference(case: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def _assert_logits_match(got: list[torch.Tensor], case: str) -> None:
     single, hf = _reference(case)
+    tol = DEEP_LOGIT_TOLERANCE if case == "embedded" else LOGIT_TOLERANCE
     assert len(got) == len(single) == len(hf)
     for step, (g, s, h) in enumerate(zip(got, single, hf)):
         assert g.shape == s.shape == h.shape, (case, step)
         torch.testing.assert_close(
-            g, s, rtol=0, atol=LOGIT_TOLERANCE, msg=lambda m, step=step: f"{case} step {step} vs tp1: {m}"
+            g, s, rtol=0, atol=tol, msg=lambda m, step=step: f"{case} step {step} vs tp1: {m}"
         )
         torch.testing.assert_close(
-            g, h, rtol=0, atol=LOGIT_TOLERANCE, msg=lambda m, step=step: f"{case} step {step} vs hf: {m}"
+            g, h, rtol=0, atol=tol, msg=lambda m, step=step: f"{case} step {step} vs hf: {m}"
         )
         assert torch.equal(g.argmax(-1), h.argmax(-1)), (case, step)
 
