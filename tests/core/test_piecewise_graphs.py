@@ -50,7 +50,10 @@ def test_pieces_through_the_buffers_match_the_eager_forward(specs) -> None:
         runner, lambda inputs: graphs.run(inputs.input_ids, inputs.positions, inputs.meta), specs
     )
     torch.testing.assert_close(pieces, eager, rtol=1e-5, atol=1e-5)
-    assert torch.equal(pieces_cache, eager_cache)
+    # Within fp32 rounding, not bit for bit: the pieces run a padded bucket of rows, and a CPU
+    # matmul library may pick its kernel (and so its order of sums) by the row count (oneDNN on
+    # the H200 host's Xeon does; on the 2-core EPYC it happens to match).
+    torch.testing.assert_close(pieces_cache, eager_cache, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("budget,buckets", [(64, [16, 32, 64]), (100, [16, 32, 64, 128]), (10, [16])])
