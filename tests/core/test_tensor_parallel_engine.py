@@ -208,3 +208,16 @@ def test_a_checkpoint_from_disk_is_read_by_every_rank(tp2, tmp_path):
     result = tp2.engine.update_weights_from_disk(str(tmp_path / "ckpt"), weight_version="disk")
     assert result.weight_version == "disk"
     assert_matches(tp2, hf)
+
+
+@pytest.mark.parametrize("shape", ["tiny-qwen2", "tiny-qwen3"])
+def test_qwen_models_at_tensor_parallel_2_generate_what_1_and_transformers_do(shape):
+    """Qwen2's q/k/v biases (added once per shard) and Qwen3's per-head q/k norms, through the engine."""
+    single = greedy(LLM(f"random:{shape}", dtype="float32", kv_cache_bytes=KV_BYTES))
+    llm = LLM(f"random:{shape}", dtype="float32", kv_cache_bytes=KV_BYTES, tensor_parallel_size=2)
+    try:
+        assert greedy(llm) == single
+    finally:
+        llm.engine.close()
+    hf = hf_twin(resolve_model(f"random:{shape}"))
+    assert [hf_greedy_ids(hf, p, STEPS) for p in PROMPTS] == single
