@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from siesta.bench.common import print_table, random_prompts
+from siesta.bench.gpu_tp import summary_rows as tensor_parallel_rows
+from siesta.bench.gpu_tp import tensor_parallel
 from siesta.bench.load_floor import DEFAULT_LINK_GBPS
 from siesta.bench.resume_http import DEFAULT_TOKENIZER
 from siesta.bench.steps import HBM_BYTES_PER_S, decode_step_s, device_kernels, start_decoding, sync
-from siesta.bench.gpu_tp import summary_rows as tensor_parallel_rows
-from siesta.bench.gpu_tp import tensor_parallel
 from siesta.bench.weight_transfer import summary_rows as weight_transfer_rows
 from siesta.bench.weight_transfer import weight_transfer
 
@@ -46,7 +46,7 @@ def _section(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]
     t0 = time.perf_counter()
     try:
         results[name] = fn()
-    except Exception as e:  # noqa: BLE001 - report and go on to the next section
+    except Exception as e:
         traceback.print_exc()
         results[name] = {"error": f"{type(e).__name__}: {e}"}
     results[name]["section_s"] = time.perf_counter() - t0

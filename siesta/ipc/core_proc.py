@@ -24,10 +24,9 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from siesta.distributed.processes import RankFailed
-
 from siesta.config import EngineConfig
 from siesta.core.engine_core import EngineCore, EngineStateError
+from siesta.distributed.processes import RankFailed
 from siesta.ipc.handler import CallHandler, Engine, engine_info
 from siesta.ipc.protocol import CallCodec, CoreMessage, Fatal, MessageCodec, Ready, Reply, StepOutputs
 from siesta.ipc.remote_errors import UnsupportedCallError, to_remote

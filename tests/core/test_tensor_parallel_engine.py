@@ -157,7 +157,6 @@ def test_a_sleep_that_keeps_the_tier_resumes_from_it_on_every_rank(tmp_path):
 
 def test_sglang_tensors_one_entry_per_rank_reach_every_rank(tp2):
     import torch.multiprocessing as mp
-
     from weight_transfer.sglang_trainer import serialize
 
     hf = trainer_model(seed=21)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from e2e.servers import OFFLOAD_CONFIG, SERVER_KV_CACHE_BYTES, start_server, stop_server
-from e2e.test_seed_flow import BLOCK, MAX_TOKENS, SERVED_NAME, _arm, _prompts
+from e2e.test_seed_flow import MAX_TOKENS, SERVED_NAME, _arm, _prompts
 from siesta import SamplingParams
 
 TP = 3
