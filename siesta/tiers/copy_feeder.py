@@ -215,7 +215,7 @@ class CopyFeeder:
                         self._pump()
                     oldest = self._issued[0].handle
                 self.copier.wait(oldest)
-        except BaseException as e:
+        except BaseException as e:  # reported to the step loop, which owns the requests
             logger.exception("tier copy feeder (%s) stopped", self.direction)
             with self._lock:
                 self._error = e
