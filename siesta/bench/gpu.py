@@ -360,7 +360,7 @@ def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
         for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (eng.connector, "run_loads"),
                             (eng.connector, "run_stores"), (eng.connector, "poll")):  # fmt: skip
             timer.wrap(owner, attr)
-        for owner, attr in ((runner, "_prepare"), (runner, "_forward"), (runner.model, "compute_logits"),
+        for owner, attr in ((runner, "_plan"), (runner, "_device_inputs"), (runner, "_forward"), (runner.model, "compute_logits"),
                             (runner.sampler, "sample"), (LaunchedStep, "results")):  # fmt: skip
             timer.wrap(owner, attr, device=cuda)
         steps: list[tuple[float, int, int]] = []
@@ -398,7 +398,7 @@ def decode_trace(args: argparse.Namespace) -> dict[str, Any]:
             timer = PhaseTimer()
             timer.wrap(llm, "step", "llm_step")
             timer.wrap(eng, "step")
-            for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (runner, "_prepare"),
+            for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (runner, "_plan"), (runner, "_device_inputs"),
                                 (runner, "_forward"), (runner.model, "compute_logits"), (runner.sampler, "sample"),
                                 (LaunchedStep, "results")):  # fmt: skip
                 timer.wrap(owner, attr)

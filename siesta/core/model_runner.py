@@ -422,11 +422,6 @@ class ModelRunner:
                 if graphs is not None:
                     graphs.capture()
 
-    def _prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
-        """The step's device inputs on this (single) rank."""
-        plan, sampled = self._plan(sched, prev)
-        return self._device_inputs(plan, prev.samples.tokens if plan.num_unseen else None, sampled)
-
     def _plan(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> tuple[StepPlan, list[ScheduledRequest]]:
         """The step as host arrays (what every rank needs), and the requests of its sampled rows."""
         items = sched.scheduled
