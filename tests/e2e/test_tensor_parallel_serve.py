@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from e2e.servers import OFFLOAD_CONFIG, SERVER_KV_CACHE_BYTES, start_server, stop_server
-from e2e.test_seed_flow import MAX_TOKENS, SERVED_NAME, _arm, _prompts
+from e2e.servers import stop_server
+from e2e.test_seed_flow import MAX_TOKENS, _arm, _prompts, _start_tier_server
 from siesta import SamplingParams
 
 TP = 3
@@ -22,11 +22,7 @@ DEATH_BOUND_S = 30.0
 
 
 def _tp_server():
-    return start_server(
-        "--dev-mode", "--served-model-name", SERVED_NAME, "--kv-transfer-config", OFFLOAD_CONFIG,
-        "--kv-cache-bytes", str(SERVER_KV_CACHE_BYTES), "--max-model-len", "2048",
-        "--tensor-parallel-size", str(TP),
-    )  # fmt: skip
+    return _start_tier_server("--tensor-parallel-size", str(TP))
 
 
 @pytest.fixture(scope="module")
