@@ -21,7 +21,6 @@ DEFAULT_TIER_BYTES = 4 << 30
 COUNTERS = ("prefix_cache", "offload", "connector")
 HOST_LOAD_BYTES = 'siesta_kv_offload_load_bytes_total{tier="host"}'
 DECODE_PROBE_STEPS = 16  # steps timed for the floor's decode step
-DECODE_PROBE_SEED = 4242  # its prompt shares no prefix with the arms'
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,22 +83,9 @@ def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int) -> 
 
 def measure_decode_step_s(llm, context: int, steps: int = DECODE_PROBE_STEPS) -> float:
     """Seconds of one decode step at batch 1 over ``context`` tokens, the engine's own loop."""
-    import torch
+    from siesta.bench.steps import decode_step_s
 
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
-    (prompt,) = random_prompts(1, context, context, llm.engine.vocab_size, seed=DECODE_PROBE_SEED)
-    rid = llm.add_request({"prompt_token_ids": prompt}, params)
-    request = llm.engine.scheduler.requests[rid]
-    while request.num_output_tokens < 1:  # prefilled: every step from here is a decode
-        llm.step()
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        llm.step()
-    sync()
-    seconds = (time.perf_counter() - t0) / steps
-    llm.abort([rid])
+    seconds = decode_step_s(llm, 1, context, steps)
     while llm.engine.has_work():  # the abort's output, its stores
         llm.step()
     return seconds
