@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
+from threads import single_thread
 
 from siesta.client import SiestaClient
 
@@ -100,17 +99,6 @@ def stop_server(server: Server) -> None:
         except subprocess.TimeoutExpired:
             server.process.kill()
             server.process.wait()
-
-
-@contextlib.contextmanager
-def single_thread():
-    """Run the offline oracle on one thread, as the servers run (and restore the setting)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def offline_greedy(llm, prompt, max_tokens: int) -> str:

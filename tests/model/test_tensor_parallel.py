@@ -10,7 +10,6 @@ before anything is written.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import tp_ranks
+from threads import single_thread
 from tp_ranks import BROADCAST_SEED, CASES, EMBEDDED, FUSED_SEED, TRAINER_SEED, UPDATE_CASE, Job
 
 from siesta.attention.torch_ref import TorchAttention
@@ -58,22 +58,10 @@ def ranks(tmp_path_factory, trainer_shm):
     return tmp
 
 
-@contextlib.contextmanager
-def _one_thread():
-    # These forwards are a few dozen rows: on two cores that other test processes keep busy,
-    # two OpenMP threads spin on each other (SmolLM2 through transformers: 5.4 s against 0.55).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _reference(case: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The tensor parallel 1 model's logits and transformers'."""
     config, weights = tp_ranks.case_weights(case)
-    with _one_thread():
+    with single_thread():
         single = tp_ranks.run_steps(tp_ranks.build(config, weights))
         return single, tp_ranks.hf_steps(tp_ranks.hf_model(config, weights))
 
