@@ -74,6 +74,8 @@ SPECS: dict[str, MetricSpec] = {
         MetricSpec("external_prefix_cache_hits", "counter", "Tokens loaded from the KV tiers instead of computed."),
         MetricSpec("kv_offload_store_bytes", "counter", "Bytes stored into a KV tier.", ("tier",)),
         MetricSpec("kv_offload_load_bytes", "counter", "Bytes loaded out of a KV tier.", ("tier",)),
+        MetricSpec("kv_offload_load_seconds", "counter", "Wall seconds with loads out of a KV tier in flight: "
+                   "load_bytes over it is the link's rate while loading.", ("tier",)),
         MetricSpec("kv_offload_evictions", "counter", "KV tier entries evicted.", ("tier",)),
         MetricSpec("kv_offload_dropped_stores", "counter", "Tier stores not made, by tier and reason "
                    "(no_space, parent_missing, io_error, version_stale, cache_reset).", ("tier", "reason")),

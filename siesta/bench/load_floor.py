@@ -49,6 +49,12 @@ class LoadFloor:
         }
 
 
+def loading_gbps(load_bytes: float, load_seconds: float) -> float | None:
+    """The host link's rate while loads were in flight (the connector's load seconds); None
+    when nothing was loaded."""
+    return load_bytes / load_seconds / GB if load_seconds > 0 else None
+
+
 def equal_shares(total_bytes: float, requests: int) -> list[float]:
     """Each request's KV when every prompt has one length: the replay's load bytes split evenly."""
     return [total_bytes / requests] * requests

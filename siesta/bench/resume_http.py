@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
+
+from siesta.bench.resume_offline import HOST_LOAD_BYTES, delta_link_gbps
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SEED_CLIENT = REPO_ROOT / "tests" / "e2e" / "seed_client.py"
@@ -150,29 +153,60 @@ def run_seed_client(url: str, requests: int, prompt_words: int) -> dict[str, Any
         return json.loads(out.read_text())
 
 
-def seed_prompt_tokens(tokenizer_path: str, prompt_words: int) -> int:
-    """Tokens of the seed client's first prompt under the served tokenizer, as the server counts them."""
+def _seed_client():
+    """The seed's script as a module (its prompts, bursts and scrapes)."""
     sys.path.insert(0, str(SEED_CLIENT.parent))
     try:
         import seed_client
     finally:
         sys.path.remove(str(SEED_CLIENT.parent))
+    return seed_client
+
+
+def seed_prompt_tokens(tokenizer_path: str, prompt_words: int) -> int:
+    """Tokens of the seed client's first prompt under the served tokenizer, as the server counts them."""
     from siesta.model.hf_loader import load_tokenizer_from
     from siesta.tokenizer import encode
 
-    return len(encode(load_tokenizer_from(tokenizer_path), seed_client.make_prompt(0, prompt_words)))
+    return len(encode(load_tokenizer_from(tokenizer_path), _seed_client().make_prompt(0, prompt_words)))
 
 
-def measure(options: ServeOptions, requests: int, prompt_words: int) -> dict[str, Any]:
-    """Start the server, run the seed client, stop the server: the client's JSON and the timings."""
+def kept_replays(url: str, requests: int, prompt_words: int, replays: int) -> list[dict[str, Any]]:
+    """After the seed's arms, its kept-tier sleep, wake-up and replay ``replays`` times more,
+    through the seed's own burst and scrape, each replay's latencies and link rate kept.
+    The tier still holds the prompts' KV (the seed's replay stored nothing new)."""
+    seed = _seed_client()
+    out = []
+    for _ in range(replays):
+        before = seed.scrape(url)
+        seed.requests.post(f"{url}/sleep", params={"level": 1, "mode": "abort", "clear_connector_cache": "false"},
+                           timeout=seed.TIMEOUT_S).raise_for_status()  # fmt: skip
+        seed.requests.post(f"{url}/wake_up", timeout=seed.TIMEOUT_S).raise_for_status()
+        latencies = seed.burst(url, requests, prompt_words)
+        after = seed.scrape(url)
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
+        out.append({"replay_p50_s": seed.p50(latencies), "replay_latencies_s": sorted(round(x, 4) for x in latencies),
+                    "load_bytes": delta.get(HOST_LOAD_BYTES, 0.0), "link_gbps": delta_link_gbps(delta)})  # fmt: skip
+    return out
+
+
+def measure(options: ServeOptions, requests: int, prompt_words: int, replays: int = 1) -> dict[str, Any]:
+    """Start the server, run the seed client (then ``replays`` - 1 more kept replays), stop the
+    server: the client's JSON, the replays and the timings."""
     with ServerProcess(options) as server:
         t0 = time.perf_counter()
         try:
             seed = run_seed_client(server.url, requests, prompt_words)
+            client_s = time.perf_counter() - t0
+            more = kept_replays(server.url, requests, prompt_words, replays - 1)
         except BaseException:
             print(server.log_tail(), file=sys.stderr)
             raise
-        client_s = time.perf_counter() - t0
     speedup = seed["cleared"]["replay_p50_s"] / seed["kept"]["replay_p50_s"]
+    kept = seed["kept"]
+    kept_p50s = [kept["replay_p50_s"]] + [r["replay_p50_s"] for r in more]
     return {"seed_client": seed, "speedup_p50": speedup, "server_startup_s": server.startup_s,
-            "client_s": client_s, "command": options.command(server.port)}  # fmt: skip
+            "client_s": client_s, "command": options.command(server.port),
+            "seed_kept_link_gbps": delta_link_gbps(kept["metric_delta"]),
+            "kept_replays": more, "kept_replay_p50_median_s": statistics.median(kept_p50s)}  # fmt: skip
+

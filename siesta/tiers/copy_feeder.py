@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,6 +82,10 @@ class CopyFeeder:
         self._queued_bytes = 0
         self._landed: list[object] = []
         self._error: BaseException | None = None
+        # Wall seconds with copies in flight: bytes over this is the link's rate while copying,
+        # not diluted by the idle time between resumes.
+        self._busy_s = 0.0
+        self._busy_since: float | None = None
         if threaded:
             device = copier.device
             if device.type == "cuda" and device.index is None:  # the thread's own default is device 0
@@ -144,6 +149,14 @@ class CopyFeeder:
         with self._lock:
             return bool(self._queue or self._issued or self._landed)
 
+    @property
+    def busy_seconds(self) -> float:
+        """Wall seconds so far with copies in flight, from a call's issue to its landing as
+        this feeder saw it: at once in the thread; unthreaded, at the caller's next poll."""
+        with self._lock:
+            open_s = 0.0 if self._busy_since is None else time.perf_counter() - self._busy_since
+            return self._busy_s + open_s
+
     def wait_for_progress(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` (releasing the GIL) for the oldest chunk in flight."""
         with self._lock:
@@ -169,6 +182,9 @@ class CopyFeeder:
         while True:
             while self._issued and self.copier.done(self._issued[0].handle):
                 self._retire(self._issued.popleft())
+            if not self._issued and self._busy_since is not None:
+                self._busy_s += time.perf_counter() - self._busy_since
+                self._busy_since = None
             if not self._queue or self._issued_bytes >= self.window_bytes:
                 return
             chunks = [self._queue.popleft()]
@@ -176,6 +192,8 @@ class CopyFeeder:
                 chunks.append(self._queue.popleft())
             nbytes = sum(c.nbytes for c in chunks)
             self._queued_bytes -= nbytes
+            if self._busy_since is None:
+                self._busy_since = time.perf_counter()  # before the issue: on CPU the copy runs in it
             self._issued.append(_Issued(chunks, self._issue(chunks)))
             self._issued_bytes += nbytes
 

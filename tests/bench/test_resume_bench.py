@@ -58,3 +58,26 @@ def test_resume_section_runs_on_the_cpu_and_reports_the_floor_from_counted_bytes
     assert res["speedup_p50"] == pytest.approx(res["cleared"]["replay_p50_s"] / res["kept"]["replay_p50_s"])
     rows = {row[0]: row for row in gpu.summary({"resume": res})}
     assert rows["resume kept p50 / ordered-load floor p50"][1] == res["kept_p50_over_floor"]
+
+
+def test_kept_replays_each_load_the_prompts_again_and_report_the_link_while_loading() -> None:
+    args = _args()
+    args.resume_variants = False
+    res = gpu.resume(args)
+    kept = res["kept"]
+    assert set(res) >= {"cleared", "kept"} and "kept_sync" not in res
+    load = kept["metric_delta"]['siesta_kv_offload_load_bytes_total{tier="host"}']
+    seconds = kept["metric_delta"]['siesta_kv_offload_load_seconds_total{tier="host"}']
+    assert kept["link_gbps"] == pytest.approx(load / seconds / 1e9)
+    assert len(kept["replays"]) == args.resume_replays - 1
+    for replay in kept["replays"]:
+        assert replay["load_bytes"] == load, "every replay loads the same prompts' KV again"
+        assert replay["link_gbps"] > 0 and len(replay["replay_latencies_s"]) == REQUESTS
+    p50s = [kept["replay_p50_s"]] + [r["replay_p50_s"] for r in kept["replays"]]
+    assert kept["replay_p50_median_s"] == statistics.median(p50s)
+    floor = res["kept_floor"]
+    assert floor["median_over_floor"] == pytest.approx(kept["replay_p50_median_s"] / floor["floor_p50_s"])
+    measured = floor["measured_link"]
+    rates = [kept["link_gbps"]] + [r["link_gbps"] for r in kept["replays"]]
+    assert measured["link_gbps"] == statistics.median(rates)
+    assert measured["decode_step_s"] == floor["decode_step_s"] and measured["kv_bytes"] == floor["kv_bytes"]

@@ -68,5 +68,11 @@ def test_resume_http_runs_both_arms_over_http_and_in_process(tiny_model: str) ->
     assert out["in_process"]["prompt_tokens"] == out["prompt_tokens"] > WORDS
     assert out["in_process"]["kept"]["metric_delta"].get(load, 0) > 0
     assert math.isfinite(out["kept_replay_http_over_in_process"]) and out["kept_replay_http_over_in_process"] > 0
+    # The replays after the seed's arms load the same bytes again, and each side's link rate is read.
+    replays = out["http"]["kept_replays"]
+    assert len(replays) == _args(tiny_model).resume_replays - 1
+    assert all(r["load_bytes"] == kept[load] and r["link_gbps"] > 0 for r in replays)
+    assert out["link_gbps_http"] > 0 and out["link_gbps_in_process"] > 0
+    assert "kept_sync" not in out["in_process"], "the HTTP client has the seed's two arms only"
     rows = {row[0]: row for row in gpu.summary({"resume_http": out})}
     assert rows["seed client over HTTP (p50 speedup)"][1] == out["seed_client_speedup_p50"]

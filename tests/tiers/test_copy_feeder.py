@@ -238,3 +238,24 @@ def test_pending_bytes_count_queued_and_in_flight_copies_until_they_land() -> No
     feeder.drain()
     assert feeder.landed() == ["r0", "r1"]
     assert feeder.pending_bytes == 0
+
+
+def test_busy_seconds_run_from_a_call_s_issue_to_its_landing_and_leave_idle_time_out() -> None:
+    copier = FakeCopier(held=True)
+    feeder = CopyFeeder(copier, "in", 16 * BLOCK_BYTES, BLOCK_BYTES, threaded=False)  # a job: one call
+    assert feeder.busy_seconds == 0.0
+    t0 = time.perf_counter()
+    feeder.submit("r0", job(0, 2), kv=None)
+    time.sleep(0.05)
+    assert 0.05 <= feeder.busy_seconds, "a copy in flight counts while it flies"
+    copier.handles[0].landed = True
+    assert feeder.landed() == ["r0"]
+    first = feeder.busy_seconds
+    assert 0.05 <= first <= time.perf_counter() - t0
+    time.sleep(0.05)
+    assert feeder.busy_seconds == first, "nothing in flight: the idle time is not counted"
+    t1 = time.perf_counter()
+    feeder.submit("r1", job(10, 2), kv=None)
+    feeder.drain()
+    assert feeder.landed() == ["r1"]
+    assert first < feeder.busy_seconds <= first + (time.perf_counter() - t1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import random
 import shutil
+import time
 
 import pytest
 
@@ -62,6 +63,7 @@ QUERIES = "siesta_external_prefix_cache_queries_total"
 LOADS = 'siesta_kv_offload_load_bytes_total{tier="host"}'
 STORES = 'siesta_kv_offload_store_bytes_total{tier="host"}'
 DISK_LOADS = 'siesta_kv_offload_load_bytes_total{tier="disk"}'
+LOAD_SECONDS = 'siesta_kv_offload_load_seconds_total{tier="host"}'
 
 
 DROPPED = "siesta_kv_offload_dropped_stores_total"
@@ -94,6 +96,8 @@ def test_kept_tier_replay_loads_what_warmup_stored(via, async_scheduling):
     c1 = counters(llm)
     stored = delta(c1, c0, STORES)
     assert stored > 0
+    assert delta(c1, c0, LOAD_SECONDS) == 0, "nothing was loaded"
+    t0 = time.perf_counter()
     if via == "sleep":
         llm.sleep(level=1, clear_connector_cache=False)
         llm.wake_up()
@@ -101,7 +105,9 @@ def test_kept_tier_replay_loads_what_warmup_stored(via, async_scheduling):
         llm.pause(clear_connector_cache=False)
         llm.resume()
     assert generate(llm, ps) == ref
+    replay_s = time.perf_counter() - t0
     c2 = counters(llm)
+    assert 0 < delta(c2, c1, LOAD_SECONDS) <= replay_s, "the loads' own seconds, within the replay's"
     assert delta(c2, c1, HITS) == full_blocks_before_last_token(ps)
     assert delta(c2, c1, QUERIES) == sum(map(len, ps))
     assert delta(c2, c1, LOADS) == stored
