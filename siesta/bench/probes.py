@@ -1,6 +1,7 @@
 """Where a slow engine step spends its wall time: timed phases and sampled stacks.
 
 ``PhaseTimer`` wraps named methods and records when each call began and ended.
+``GcPauses`` records the cyclic garbage collector's runs and how long each held the GIL.
 ``StackSampler`` looks at one thread's Python stack every few milliseconds from a
 thread of its own; a step blocked in a lock, a driver call or on the GIL shows up
 as the line it is blocked on (or, for the GIL, as a late sample).
@@ -8,6 +9,7 @@ as the line it is blocked on (or, for the GIL, as a late sample).
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -113,6 +115,37 @@ class StackSampler:
 
     def late_within(self, start: float, end: float) -> list[float]:
         return [round(lag, 4) for t, lag in self.late if start <= t < end]
+
+
+class GcPauses:
+    """The cyclic collector's runs while open, each as (generation, start s from open, ms):
+    a full collection walks every tracked object, with the GIL held."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, float, float]] = []
+        self._t0 = 0.0
+        self._started = 0.0
+
+    def __enter__(self) -> Self:
+        self._t0 = time.perf_counter()
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+        else:
+            self.runs.append((info["generation"], round(self._started - self._t0, 4), round((now - self._started) * 1e3, 2)))
+
+    def summary(self) -> dict[str, Any]:
+        """Runs per generation, their total ms, and the full collections as (start s, ms)."""
+        per_gen = {g: [ms for gen, _, ms in self.runs if gen == g] for g in range(3)}
+        return {"runs": {g: len(v) for g, v in per_gen.items()}, "total_ms": {g: round(sum(v), 2) for g, v in per_gen.items()},
+                "full": [(at, ms) for gen, at, ms in self.runs if gen == 2]}  # fmt: skip
 
 
 def _stream_event():

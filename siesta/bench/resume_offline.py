@@ -16,6 +16,7 @@ from typing import Any
 
 from siesta.bench.common import median, print_table, random_prompts, write_json
 from siesta.bench.load_floor import DEFAULT_LINK_GBPS, LoadFloor, equal_shares, loading_gbps
+from siesta.bench.probes import GcPauses
 from siesta.sampling import SamplingParams
 
 DEFAULT_TIER_BYTES = 4 << 30
@@ -76,10 +77,12 @@ def replay_kept(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any
     before = _metrics(llm)
     llm.sleep(level=1, clear_connector_cache=False)
     llm.wake_up()
-    replay = _fire_all(llm, prompts, max_tokens)
+    with GcPauses() as pauses:
+        replay = _fire_all(llm, prompts, max_tokens)
     delta = _delta(before, _metrics(llm))
     return {"replay_p50_s": median(replay), "replay_latencies_s": sorted(round(x, 4) for x in replay),
-            "load_bytes": delta.get(HOST_LOAD_BYTES, 0.0), "link_gbps": delta_link_gbps(delta)}  # fmt: skip
+            "load_bytes": delta.get(HOST_LOAD_BYTES, 0.0), "link_gbps": delta_link_gbps(delta),
+            "gc": pauses.summary()}  # fmt: skip
 
 
 def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, replays: int = 1) -> dict[str, Any]:
@@ -92,7 +95,8 @@ def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, rep
     llm.wake_up()
     sleep_wake_s = time.perf_counter() - t0
     step_ends: list[tuple[float, int, int]] = []
-    replay = _fire_all(llm, prompts, max_tokens, step_ends)
+    with GcPauses() as pauses:
+        replay = _fire_all(llm, prompts, max_tokens, step_ends)
     delta = _delta(before, _metrics(llm))
     arm = {
         "keep_tier": keep_tier,
@@ -103,6 +107,7 @@ def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, rep
         "sleep_wake_s": sleep_wake_s,
         "metric_delta": delta,
         "link_gbps": delta_link_gbps(delta),
+        "gc": pauses.summary(),  # the collector's runs during the replay
     }
     if keep_tier and replays > 1:
         arm["replays"] = [replay_kept(llm, prompts, max_tokens) for _ in range(replays - 1)]

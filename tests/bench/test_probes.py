@@ -3,9 +3,10 @@ sees where a blocked thread is waiting."""
 
 from __future__ import annotations
 
+import gc
 import time
 
-from siesta.bench.probes import PhaseTimer, StackSampler
+from siesta.bench.probes import GcPauses, PhaseTimer, StackSampler
 
 
 class Worker:
@@ -46,3 +47,15 @@ def test_the_sampler_sees_the_line_a_thread_waits_on() -> None:
     assert stacks, "no samples taken"
     top, count = stacks[0]
     assert "_blocked_here" in top.split(" < ")[0] and count >= 10
+
+
+def test_gc_pauses_record_each_collection_by_generation() -> None:
+    with GcPauses() as pauses:
+        gc.collect(0)
+        gc.collect(2)
+    after = len(pauses.runs)
+    gc.collect(2)  # closed: not recorded
+    assert [gen for gen, _, _ in pauses.runs] == [0, 2] and len(pauses.runs) == after
+    summary = pauses.summary()
+    assert summary["runs"] == {0: 1, 1: 0, 2: 1}
+    assert summary["full"] == [(pauses.runs[1][1], pauses.runs[1][2])] and pauses.runs[1][2] >= 0
