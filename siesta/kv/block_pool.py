@@ -54,6 +54,11 @@ class BlockPool:
             self._drop_key(block)
             block.ref_count = 1
             out.append(block)
+        # Which blocks is the free list's choice; their order is ours. Requests free their blocks
+        # tail first, so the free list holds runs of ids descending; ascending, consecutive ids
+        # are one contiguous range, which a tier copy moves in one piece (a resume's 19.5k-token
+        # request: 152 copies of 16 MiB instead of 1,218 of 2 MiB, each built in Python).
+        out.sort(key=_block_id)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -93,3 +98,7 @@ class BlockPool:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
             block.block_hash = None
+
+
+def _block_id(block: Block) -> int:
+    return block.block_id

@@ -1,6 +1,7 @@
 import pytest
 
 from siesta.kv.block_pool import BlockPool
+from siesta.tiers.transfer import block_runs
 
 
 def test_allocate_free_counts():
@@ -65,3 +66,17 @@ def test_first_block_to_publish_a_key_keeps_it():
     pool.cache(a, b"k")
     pool.cache(b, b"k")
     assert pool.lookup(b"k") is a and b.block_hash is None
+
+
+def test_blocks_freed_tail_first_come_back_in_ascending_runs():
+    pool = BlockPool(64)
+    first = pool.allocate(20)
+    pool.free(reversed(first))  # as a finished request frees them
+    assert [b.block_id for b in pool.allocate(20)] == list(range(20, 40)), "the least recently freed first"
+    third = pool.allocate(20)
+    pool.free(reversed(third))
+    pool.free(reversed(pool.blocks[20:40]))
+    # Free now: 60-63, then 19..0, 59..40 and 39..20, each run descending as it was freed.
+    ids = [b.block_id for b in pool.allocate(40)]
+    assert ids == list(range(0, 20)) + list(range(44, 64))
+    assert block_runs(ids) == [(0, 0, 20), (20, 44, 20)], "two runs: a tier copy moves each in one piece"

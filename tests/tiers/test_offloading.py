@@ -22,6 +22,7 @@ from siesta.tiers.disk_tier import DiskTier
 
 BLOCK = 16
 TIER_BLOCK = 32
+BLOCK_BYTES_FP32 = 2 * 2 * BLOCK * 2 * 16 * 4  # tiny-llama: layers x (K, V) x tokens x kv heads x head dim x 4 B
 MODEL = "random:tiny-llama"
 
 
@@ -113,6 +114,37 @@ def test_kept_tier_replay_loads_what_warmup_stored(via, async_scheduling):
     assert delta(c2, c1, LOADS) == stored
     assert delta(c2, c1, STORES) == 0
     assert delta(c2, c1, "siesta_prefix_cache_hits_total") == 0  # the device cache went with the pause
+
+
+def test_a_replay_loads_each_tier_entry_in_one_copy(monkeypatch):
+    """The replay's device blocks are consecutive ids (the pool hands them out ascending), so
+    a tier entry moves in one copy, not one per device block."""
+    from siesta.tiers import transfer
+
+    # Room for the prompts about one and a half times: the replay reuses blocks the warm-up
+    # freed, tail first as every request frees them.
+    llm = engine(offload(), kv_cache_bytes=96 * BLOCK_BYTES_FP32, max_model_len=512)
+    ps = prompts()
+    generate(llm, ps)
+    assert llm.engine.runner.kv_cache.block_bytes == BLOCK_BYTES_FP32
+    c1 = counters(llm)
+    llm.sleep(level=1, clear_connector_cache=False)
+    llm.wake_up()
+    runs: list[int] = []
+    copy_runs = transfer._copy_runs
+
+    def counted(cache, ids, host, direction):
+        if direction == "in":
+            runs.append(len(transfer.block_runs(ids)))
+        copy_runs(cache, ids, host, direction)
+
+    monkeypatch.setattr(transfer, "_copy_runs", counted)
+    generate(llm, ps)
+    entries = delta(counters(llm), c1, LOADS) // llm.engine.connector.host.entry_bytes
+    assert entries == sum((len(p) - 1) // TIER_BLOCK for p in ps) > 0
+    # A request whose blocks come from two free ranges (never used, and freed) splits at most
+    # one entry between them; blocks handed out in free-list order made 32 copies here.
+    assert entries <= sum(runs) <= entries + len(ps)
 
 
 @pytest.mark.parametrize("call", ["sleep_default", "pause_default", "sleep_explicit"])
