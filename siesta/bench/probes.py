@@ -1,6 +1,7 @@
 """Where a slow engine step spends its wall time: timed phases and sampled stacks.
 
 ``PhaseTimer`` wraps named methods and records when each call began and ended.
+``host_cpu_seconds`` reads the machine's CPU time by kind (steal: what the hypervisor gave others).
 ``GcPauses`` records the cyclic garbage collector's runs and how long each held the GIL.
 ``StackSampler`` looks at one thread's Python stack every few milliseconds from a
 thread of its own; a step blocked in a lock, a driver call or on the GIL shows up
@@ -10,6 +11,7 @@ as the line it is blocked on (or, for the GIL, as a late sample).
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import threading
 import time
@@ -115,6 +117,26 @@ class StackSampler:
 
     def late_within(self, start: float, end: float) -> list[float]:
         return [round(lag, 4) for t, lag in self.late if start <= t < end]
+
+
+PROC_STAT = "/proc/stat"
+PROC_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def host_cpu_seconds() -> dict[str, float]:
+    """Seconds of CPU time by kind, summed over every CPU since boot (empty where there is no
+    /proc/stat): differences over a run say whether its CPUs were stolen or busy elsewhere."""
+    try:
+        with open(PROC_STAT) as f:
+            values = f.readline().split()[1:]
+    except OSError:
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    return {name: int(v) / tick for name, v in zip(PROC_STAT_FIELDS, values)}
+
+
+def cpu_seconds_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(after[k] - before[k], 3) for k in before if k in after}
 
 
 class GcPauses:

@@ -16,7 +16,7 @@ from typing import Any
 
 from siesta.bench.common import median, print_table, random_prompts, write_json
 from siesta.bench.load_floor import DEFAULT_LINK_GBPS, LoadFloor, equal_shares, loading_gbps
-from siesta.bench.probes import GcPauses
+from siesta.bench.probes import GcPauses, cpu_seconds_between, host_cpu_seconds
 from siesta.sampling import SamplingParams
 
 DEFAULT_TIER_BYTES = 4 << 30
@@ -77,12 +77,14 @@ def replay_kept(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any
     before = _metrics(llm)
     llm.sleep(level=1, clear_connector_cache=False)
     llm.wake_up()
+    cpu = host_cpu_seconds()
     with GcPauses() as pauses:
         replay = _fire_all(llm, prompts, max_tokens)
+    cpu = cpu_seconds_between(cpu, host_cpu_seconds())
     delta = _delta(before, _metrics(llm))
     return {"replay_p50_s": median(replay), "replay_latencies_s": sorted(round(x, 4) for x in replay),
             "load_bytes": delta.get(HOST_LOAD_BYTES, 0.0), "link_gbps": delta_link_gbps(delta),
-            "gc": pauses.summary()}  # fmt: skip
+            "gc": pauses.summary(), "host_cpu_s": cpu}  # fmt: skip
 
 
 def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, replays: int = 1) -> dict[str, Any]:
@@ -95,8 +97,10 @@ def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, rep
     llm.wake_up()
     sleep_wake_s = time.perf_counter() - t0
     step_ends: list[tuple[float, int, int]] = []
+    cpu = host_cpu_seconds()
     with GcPauses() as pauses:
         replay = _fire_all(llm, prompts, max_tokens, step_ends)
+    cpu = cpu_seconds_between(cpu, host_cpu_seconds())
     delta = _delta(before, _metrics(llm))
     arm = {
         "keep_tier": keep_tier,
@@ -108,6 +112,7 @@ def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, rep
         "metric_delta": delta,
         "link_gbps": delta_link_gbps(delta),
         "gc": pauses.summary(),  # the collector's runs during the replay
+        "host_cpu_s": cpu,  # the machine's CPU seconds by kind during the replay (steal among them)
     }
     if keep_tier and replays > 1:
         arm["replays"] = [replay_kept(llm, prompts, max_tokens) for _ in range(replays - 1)]

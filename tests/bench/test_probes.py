@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import time
 
-from siesta.bench.probes import GcPauses, PhaseTimer, StackSampler
+from siesta.bench.probes import GcPauses, PhaseTimer, StackSampler, cpu_seconds_between, host_cpu_seconds
 
 
 class Worker:
@@ -59,3 +59,14 @@ def test_gc_pauses_record_each_collection_by_generation() -> None:
     summary = pauses.summary()
     assert summary["runs"] == {0: 1, 1: 0, 2: 1}
     assert summary["full"] == [(pauses.runs[1][1], pauses.runs[1][2])] and pauses.runs[1][2] >= 0
+
+
+def test_host_cpu_seconds_count_up_by_kind_while_this_process_computes() -> None:
+    before = host_cpu_seconds()
+    deadline = time.process_time() + 0.2
+    while time.process_time() < deadline:
+        pass
+    spent = cpu_seconds_between(before, host_cpu_seconds())
+    assert set(spent) >= {"user", "system", "idle", "steal"}
+    assert spent["user"] + spent["system"] >= 0.1, "the busy loop's CPU time is among the machine's"
+    assert all(v >= 0 for v in spent.values())
