@@ -209,4 +209,3 @@ def measure(options: ServeOptions, requests: int, prompt_words: int, replays: in
             "client_s": client_s, "command": options.command(server.port),
             "seed_kept_link_gbps": delta_link_gbps(kept["metric_delta"]),
             "kept_replays": more, "kept_replay_p50_median_s": statistics.median(kept_p50s)}  # fmt: skip
-

@@ -72,19 +72,25 @@ def delta_link_gbps(delta: dict[str, float]) -> float | None:
     return loading_gbps(delta.get(HOST_LOAD_BYTES, 0.0), delta.get(HOST_LOAD_SECONDS, 0.0))
 
 
+def _probed_replay(llm, prompts: list[list[int]], max_tokens: int,
+                   step_ends: list[tuple[float, int, int]] | None = None) -> tuple[list[float], dict[str, Any]]:  # fmt: skip
+    """A replay's latencies, with the collector's runs and the machine's CPU seconds by kind
+    (steal among them) while it ran."""
+    cpu = host_cpu_seconds()
+    with GcPauses() as pauses:
+        latencies = _fire_all(llm, prompts, max_tokens, step_ends)
+    return latencies, {"gc": pauses.summary(), "host_cpu_s": cpu_seconds_between(cpu, host_cpu_seconds())}
+
+
 def replay_kept(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """One more kept-tier sleep, wake-up and replay of prompts the tier holds."""
     before = _metrics(llm)
     llm.sleep(level=1, clear_connector_cache=False)
     llm.wake_up()
-    cpu = host_cpu_seconds()
-    with GcPauses() as pauses:
-        replay = _fire_all(llm, prompts, max_tokens)
-    cpu = cpu_seconds_between(cpu, host_cpu_seconds())
+    replay, probes = _probed_replay(llm, prompts, max_tokens)
     delta = _delta(before, _metrics(llm))
     return {"replay_p50_s": median(replay), "replay_latencies_s": sorted(round(x, 4) for x in replay),
-            "load_bytes": delta.get(HOST_LOAD_BYTES, 0.0), "link_gbps": delta_link_gbps(delta),
-            "gc": pauses.summary(), "host_cpu_s": cpu}  # fmt: skip
+            "load_bytes": delta.get(HOST_LOAD_BYTES, 0.0), "link_gbps": delta_link_gbps(delta), **probes}  # fmt: skip
 
 
 def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, replays: int = 1) -> dict[str, Any]:
@@ -97,10 +103,7 @@ def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, rep
     llm.wake_up()
     sleep_wake_s = time.perf_counter() - t0
     step_ends: list[tuple[float, int, int]] = []
-    cpu = host_cpu_seconds()
-    with GcPauses() as pauses:
-        replay = _fire_all(llm, prompts, max_tokens, step_ends)
-    cpu = cpu_seconds_between(cpu, host_cpu_seconds())
+    replay, probes = _probed_replay(llm, prompts, max_tokens, step_ends)
     delta = _delta(before, _metrics(llm))
     arm = {
         "keep_tier": keep_tier,
@@ -111,8 +114,7 @@ def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, rep
         "sleep_wake_s": sleep_wake_s,
         "metric_delta": delta,
         "link_gbps": delta_link_gbps(delta),
-        "gc": pauses.summary(),  # the collector's runs during the replay
-        "host_cpu_s": cpu,  # the machine's CPU seconds by kind during the replay (steal among them)
+        **probes,
     }
     if keep_tier and replays > 1:
         arm["replays"] = [replay_kept(llm, prompts, max_tokens) for _ in range(replays - 1)]

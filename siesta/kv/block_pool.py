@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from siesta.kv.hashing import BlockHash
 
@@ -58,7 +59,7 @@ class BlockPool:
         # tail first, so the free list holds runs of ids descending; ascending, consecutive ids
         # are one contiguous range, which a tier copy moves in one piece (a resume's 19.5k-token
         # request: 152 copies of 16 MiB instead of 1,218 of 2 MiB, each built in Python).
-        out.sort(key=_block_id)
+        out.sort(key=attrgetter("block_id"))
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -98,7 +99,3 @@ class BlockPool:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
             block.block_hash = None
-
-
-def _block_id(block: Block) -> int:
-    return block.block_id
