@@ -297,7 +297,7 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         **({"speedup_p50_kept_sync": arms["cleared"]["replay_p50_s"] / arms["kept_sync"]["replay_p50_s"],
             "speedup_p50_eager_mixed": arms["cleared"]["replay_p50_s"] / arms["kept_eager"]["replay_p50_s"]}
            if args.resume_variants else {}),
-        "speedup_p50_median": arms["cleared"]["replay_p50_s"] / arms["kept"].get("replay_p50_median_s", arms["kept"]["replay_p50_s"]),
+        "speedup_p50_median": arms["cleared"]["replay_p50_s"] / arms["kept"]["replay_p50_median_s"],
         "kept_load_floor_s": load_bytes / (args.link_gbps * 1e9),
         "kept_floor": floor,  # the p50 against its ordered-load floor (siesta.bench.load_floor)
         "kept_p50_over_floor": floor["p50_over_floor"],
@@ -334,8 +334,7 @@ def resume_http(args: argparse.Namespace) -> dict[str, Any]:
         "kept_replay_http_over_in_process": kept_http / kept_in_process["replay_p50_s"],
         # The same over every replay of each (a replay's own noise is ~10 %), and the link rate
         # while each side's loads were in flight: what the host gave each process.
-        "kept_replay_http_over_in_process_median": http["kept_replay_p50_median_s"]
-        / kept_in_process.get("replay_p50_median_s", kept_in_process["replay_p50_s"]),
+        "kept_replay_http_over_in_process_median": http["kept_replay_p50_median_s"] / kept_in_process["replay_p50_median_s"],
         "link_gbps_http": http["seed_kept_link_gbps"],
         "link_gbps_in_process": kept_in_process["link_gbps"],
         # The kept arm's warm-up hits the device prefix cache (the cleared arm's replay left it

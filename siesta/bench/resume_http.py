@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from siesta.bench.resume_offline import HOST_LOAD_BYTES, delta_link_gbps
+from siesta.bench.common import median
+from siesta.bench.resume_offline import HOST_LOAD_BYTES, counter_delta, delta_link_gbps
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SEED_CLIENT = REPO_ROOT / "tests" / "e2e" / "seed_client.py"
@@ -183,8 +183,7 @@ def kept_replays(url: str, requests: int, prompt_words: int, replays: int) -> li
                            timeout=seed.TIMEOUT_S).raise_for_status()  # fmt: skip
         seed.requests.post(f"{url}/wake_up", timeout=seed.TIMEOUT_S).raise_for_status()
         latencies = seed.burst(url, requests, prompt_words)
-        after = seed.scrape(url)
-        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(after) | set(before)}
+        delta = counter_delta(before, seed.scrape(url))
         out.append({"replay_p50_s": seed.p50(latencies), "replay_latencies_s": sorted(round(x, 4) for x in latencies),
                     "load_bytes": delta.get(HOST_LOAD_BYTES, 0.0), "link_gbps": delta_link_gbps(delta)})  # fmt: skip
     return out
@@ -208,4 +207,4 @@ def measure(options: ServeOptions, requests: int, prompt_words: int, replays: in
     return {"seed_client": seed, "speedup_p50": speedup, "server_startup_s": server.startup_s,
             "client_s": client_s, "command": options.command(server.port),
             "seed_kept_link_gbps": delta_link_gbps(kept["metric_delta"]),
-            "kept_replays": more, "kept_replay_p50_median_s": statistics.median(kept_p50s)}  # fmt: skip
+            "kept_replays": more, "kept_replay_p50_median_s": median(kept_p50s)}  # fmt: skip

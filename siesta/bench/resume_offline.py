@@ -62,7 +62,8 @@ def _fire_all(
     return list(latency.values())
 
 
-def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What changed between two counter snapshots (unchanged series left out)."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
     return {k: v for k, v in sorted(delta.items()) if v}
 
@@ -88,14 +89,14 @@ def replay_kept(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any
     llm.sleep(level=1, clear_connector_cache=False)
     llm.wake_up()
     replay, probes = _probed_replay(llm, prompts, max_tokens)
-    delta = _delta(before, _metrics(llm))
+    delta = counter_delta(before, _metrics(llm))
     return {"replay_p50_s": median(replay), "replay_latencies_s": sorted(round(x, 4) for x in replay),
             "load_bytes": delta.get(HOST_LOAD_BYTES, 0.0), "link_gbps": delta_link_gbps(delta), **probes}  # fmt: skip
 
 
 def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, replays: int = 1) -> dict[str, Any]:
-    """The seed's arm; a kept one with ``replays`` > 1 sleeps, wakes and replays that many
-    times in all (the first is the seed's), so that one replay's noise shows."""
+    """The seed's arm; a kept one sleeps, wakes and replays ``replays`` times in all (the first
+    is the seed's), so that one replay's noise shows, and reports their p50s' median."""
     warm = _fire_all(llm, prompts, max_tokens)
     before = _metrics(llm)  # the seed's snapshot: a finished request's stores are in it
     t0 = time.perf_counter()
@@ -104,7 +105,7 @@ def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, rep
     sleep_wake_s = time.perf_counter() - t0
     step_ends: list[tuple[float, int, int]] = []
     replay, probes = _probed_replay(llm, prompts, max_tokens, step_ends)
-    delta = _delta(before, _metrics(llm))
+    delta = counter_delta(before, _metrics(llm))
     arm = {
         "keep_tier": keep_tier,
         "warm_p50_s": median(warm),
@@ -116,7 +117,7 @@ def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, rep
         "link_gbps": delta_link_gbps(delta),
         **probes,
     }
-    if keep_tier and replays > 1:
+    if keep_tier:
         arm["replays"] = [replay_kept(llm, prompts, max_tokens) for _ in range(replays - 1)]
         arm["replay_p50_median_s"] = median([arm["replay_p50_s"]] + [r["replay_p50_s"] for r in arm["replays"]])
     return arm
@@ -142,17 +143,15 @@ def kept_floor(llm, arms: dict[str, dict[str, Any]], requests: int, prompt_token
 
 
 def floor_report(floor: LoadFloor, shares: list[float], kept: dict[str, Any]) -> dict[str, Any]:
-    """The kept replay's p50 over its floor; with repeated replays also their median's, and
-    the floor again at the link rate the replays measured (the engine's share of the gap)."""
+    """The kept replay's p50 over its floor, the replays' median over it, and the floor again at
+    the link rate the replays measured (the engine's share of the gap)."""
     report = floor.report(shares, kept["replay_p50_s"])
-    if "replay_p50_median_s" in kept:
-        report["replay_p50_median_s"] = kept["replay_p50_median_s"]
-        report["median_over_floor"] = kept["replay_p50_median_s"] / report["floor_p50_s"]
-    rates = [r for r in [kept.get("link_gbps")] + [x["link_gbps"] for x in kept.get("replays", [])] if r]
+    report["replay_p50_median_s"] = kept["replay_p50_median_s"]
+    report["median_over_floor"] = kept["replay_p50_median_s"] / report["floor_p50_s"]
+    rates = [r for r in [kept["link_gbps"]] + [x["link_gbps"] for x in kept["replays"]] if r]
     if rates:
         measured = replace(floor, link_gbps=median(rates))
-        p50 = kept.get("replay_p50_median_s", kept["replay_p50_s"])
-        report["measured_link"] = measured.report(shares, p50)
+        report["measured_link"] = measured.report(shares, kept["replay_p50_median_s"])
     return report
 
 
