@@ -349,7 +349,7 @@ def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
     kernel (the engine's way) and by the copy engines. Per arm: p50, the replay's seconds
     per phase, and for its slowest steps the phases and the lines the loop was seen on."""
     from siesta.bench.probes import PhaseTimer, StackSampler
-    from siesta.bench.resume_offline import _fire_all
+    from siesta.bench.resume_offline import fire_all
     from siesta.core import staging
     from siesta.core.model_runner import LaunchedStep
 
@@ -362,7 +362,7 @@ def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
     for seed, (arm, kernel) in enumerate((("kernel_copies", True), ("copy_engine", False))):
         staging.KERNEL_COPIES = kernel
         ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, eng.vocab_size, seed=300 + seed)
-        _fire_all(llm, ps, 8)
+        fire_all(llm, ps, 8)
         eng.connector.wait_for_stores(runner.kv_cache)
         llm.sleep(level=1, clear_connector_cache=False)
         llm.wake_up()
@@ -376,7 +376,7 @@ def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
             timer.wrap(owner, attr, device=cuda)
         steps: list[tuple[float, int, int]] = []
         with StackSampler() as sampler:
-            latencies = _fire_all(llm, ps, 8, steps)
+            latencies = fire_all(llm, ps, 8, steps)
         timer.unwrap()
         walls = [(t1 - t0, t0, t1) for name, t0, t1 in timer.calls if name == "step"]
         first, last = walls[0][1], walls[-1][2] + 1e-9
@@ -814,6 +814,12 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
                  f"{get('resume', 'kept_floor', 'median_over_floor', default=0) or 0:.2f}",
                  f"over the floor at the measured {get('resume', 'kept_floor', 'measured_link', 'link_gbps', default=0) or 0:.1f} GB/s: "
                  f"{get('resume', 'kept_floor', 'measured_link', 'p50_over_floor', default=0) or 0:.2f}"])  # fmt: skip
+    marks = get("resume", "kept", "timeline_marks", default={}) or {}
+    first = marks.get("first") or {}
+    rows.append(["kept replay ms: adds done; 1st request issued / landed / done",
+                 f"{(marks.get('adds_done_s') or 0) * 1e3:.0f}; " + " / ".join(
+                     f"{(first.get(k) or 0) * 1e3:.0f}" for k in ("issued", "landed", "finished")),
+                 f"1st step {' - '.join(f'{t * 1e3:.0f}' for t in marks.get('first_step_s') or ())} ms"])  # fmt: skip
     rows.append(["mixed step ms, eager / piecewise graphs", f"{get('mixed_step', 'extend_decode4', 'eager', 'wall_ms', default=0) or 0:.1f} / "
                  f"{get('mixed_step', 'extend_decode4', 'engine', 'wall_ms', default=0) or 0:.1f}", "44-token extend + 4 decodes"])  # fmt: skip
     rows.append(["tier store / load GB/s", f"{get('transfers', 'store_GB_s', default=0) or 0:.1f} / "

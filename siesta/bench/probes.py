@@ -17,9 +17,13 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
+
+if TYPE_CHECKING:
+    from siesta.tiers.copy_feeder import CopyFeeder
 
 STACK_DEPTH = 4  # innermost frames kept per sample
+LONG_GC_MS = 1.0  # a collector run this long or longer is listed with its start
 
 
 @dataclass
@@ -164,10 +168,32 @@ class GcPauses:
             self.runs.append((info["generation"], round(self._started - self._t0, 4), round((now - self._started) * 1e3, 2)))
 
     def summary(self) -> dict[str, Any]:
-        """Runs per generation, their total ms, and the full collections as (start s, ms)."""
+        """Runs per generation, their total ms, the full collections as (start s, ms), and every
+        run of a millisecond or more as (generation, start s, ms), to set beside a timeline."""
         per_gen = {g: [ms for gen, _, ms in self.runs if gen == g] for g in range(3)}
         return {"runs": {g: len(v) for g, v in per_gen.items()}, "total_ms": {g: round(sum(v), 2) for g, v in per_gen.items()},
-                "full": [(at, ms) for gen, at, ms in self.runs if gen == 2]}  # fmt: skip
+                "full": [(at, ms) for gen, at, ms in self.runs if gen == 2],
+                "long": [run for run in self.runs if run[2] >= LONG_GC_MS]}  # fmt: skip
+
+
+class LoadTimeline:
+    """Each request's tier loads while open, in seconds from ``t0``: submitted to the feeder,
+    its first copy issued, its last landed (as the feeder's thread saw them)."""
+
+    def __init__(self, feeder: CopyFeeder, t0: float) -> None:
+        self.jobs: dict[str, dict[str, float]] = {}
+        self._feeder = feeder
+        self._t0 = t0
+
+    def __enter__(self) -> Self:
+        self._feeder.trace = self._record
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._feeder.trace = None
+
+    def _record(self, moment: str, job_id: object, at: float) -> None:
+        self.jobs.setdefault(str(job_id), {}).setdefault(moment, round(at - self._t0, 4))
 
 
 def _stream_event():

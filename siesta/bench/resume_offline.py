@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -40,26 +41,57 @@ def _metrics(llm) -> dict[str, float]:
     return {k: v for k, v in llm.get_metrics().items() if any(c in k for c in COUNTERS)}
 
 
-def _fire_all(
-    llm, prompts: list[list[int]], max_tokens: int, step_ends: list[tuple[float, int, int]] | None = None
+def fire_all(
+    llm, prompts: list[list[int]], max_tokens: int, step_ends: list[tuple[float, int, int]] | None = None,
+    timeline: dict[str, Any] | None = None,
 ) -> list[float]:
     """Submit every prompt at once; each one's latency is its finish time minus the start.
 
     ``step_ends`` collects, per engine step, when it ended (seconds from the start) and how
-    many requests were then running and loading.
+    many requests were then running and loading. ``timeline`` is filled with where the time
+    went: when the adds were done, each step's start and end, and per request (in the order
+    added) when its tier loads were submitted, first issued and landed, and when it finished.
     """
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    ids = {llm.add_request({"prompt_token_ids": p}, params) for p in prompts}
+    loads = _load_timeline(llm, t0) if timeline is not None else nullcontext(None)
+    steps: list[tuple[float, float]] = []
     latency: dict[str, float] = {}
-    while len(latency) < len(ids):
-        for out in llm.step():
-            if out.finished and out.request_id in ids:
-                latency[out.request_id] = time.perf_counter() - t0
-        if step_ends is not None:
-            sched = llm.engine.scheduler
-            step_ends.append((round(time.perf_counter() - t0, 4), len(sched.running), len(sched.loading)))
+    with loads as traced:
+        ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
+        adds_done = time.perf_counter() - t0
+        wanted = set(ids)
+        while len(latency) < len(ids):
+            start = time.perf_counter() - t0
+            for out in llm.step():
+                if out.finished and out.request_id in wanted:
+                    latency[out.request_id] = time.perf_counter() - t0
+            end = time.perf_counter() - t0
+            steps.append((round(start, 4), round(end, 4)))
+            if step_ends is not None:
+                sched = llm.engine.scheduler
+                step_ends.append((round(end, 4), len(sched.running), len(sched.loading)))
+    if timeline is not None:
+        jobs = traced.jobs if traced is not None else {}
+        timeline.update(adds_done_s=round(adds_done, 4), steps=steps, requests=[
+            {**jobs.get(rid, {}), "finished": round(latency[rid], 4)} for rid in ids])  # fmt: skip
     return list(latency.values())
+
+
+def timeline_marks(timeline: dict[str, Any]) -> dict[str, Any]:
+    """The moments a replay's gap to its floor is made of: the adds done, the first step, and
+    the first and the middle request (in the order added: loads land in that order)."""
+    requests, steps = timeline.get("requests", []), timeline.get("steps", [])
+    return {"adds_done_s": timeline.get("adds_done_s"), "first_step_s": steps[0] if steps else None,
+            "first": requests[0] if requests else None,
+            "middle": requests[(len(requests) - 1) // 2] if requests else None}  # fmt: skip
+
+
+def _load_timeline(llm, t0: float):
+    from siesta.bench.probes import LoadTimeline
+
+    feeder = getattr(llm.engine.connector, "load_feeder", None)  # the host tier's; none without one
+    return nullcontext(None) if feeder is None else LoadTimeline(feeder, t0)
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -75,12 +107,14 @@ def delta_link_gbps(delta: dict[str, float]) -> float | None:
 
 def _probed_replay(llm, prompts: list[list[int]], max_tokens: int,
                    step_ends: list[tuple[float, int, int]] | None = None) -> tuple[list[float], dict[str, Any]]:  # fmt: skip
-    """A replay's latencies, with the collector's runs and the machine's CPU seconds by kind
-    (steal among them) while it ran."""
+    """A replay's latencies, with its timeline, the collector's runs and the machine's CPU
+    seconds by kind (steal among them) while it ran."""
     cpu = host_cpu_seconds()
+    timeline: dict[str, Any] = {}
     with GcPauses() as pauses:
-        latencies = _fire_all(llm, prompts, max_tokens, step_ends)
-    return latencies, {"gc": pauses.summary(), "host_cpu_s": cpu_seconds_between(cpu, host_cpu_seconds())}
+        latencies = fire_all(llm, prompts, max_tokens, step_ends, timeline)
+    return latencies, {"gc": pauses.summary(), "host_cpu_s": cpu_seconds_between(cpu, host_cpu_seconds()),
+                       "timeline": timeline}  # fmt: skip
 
 
 def replay_kept(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -97,7 +131,7 @@ def replay_kept(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, Any
 def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, replays: int = 1) -> dict[str, Any]:
     """The seed's arm; a kept one sleeps, wakes and replays ``replays`` times in all (the first
     is the seed's), so that one replay's noise shows, and reports their p50s' median."""
-    warm = _fire_all(llm, prompts, max_tokens)
+    warm = fire_all(llm, prompts, max_tokens)
     before = _metrics(llm)  # the seed's snapshot: a finished request's stores are in it
     t0 = time.perf_counter()
     llm.sleep(level=1, clear_connector_cache=not keep_tier)
@@ -116,6 +150,7 @@ def run_arm(llm, keep_tier: bool, prompts: list[list[int]], max_tokens: int, rep
         "metric_delta": delta,
         "link_gbps": delta_link_gbps(delta),
         **probes,
+        "timeline_marks": timeline_marks(probes["timeline"]),
     }
     if keep_tier:
         arm["replays"] = [replay_kept(llm, prompts, max_tokens) for _ in range(replays - 1)]
@@ -170,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                         "kv_connector_extra_config": {"cpu_bytes_to_use": DEFAULT_TIER_BYTES}}  # fmt: skip
     llm = LLM(**kwargs)
     vocab = llm.engine.vocab_size
-    _fire_all(llm, random_prompts(2, 16, 32, vocab, seed=99), 2)  # warm-up
+    fire_all(llm, random_prompts(2, 16, 32, vocab, seed=99), 2)  # warm-up
     arms = {}
     for seed, (name, keep) in enumerate((("cleared", False), ("kept", True))):
         prompts = random_prompts(args.requests, args.prompt_tokens, args.prompt_tokens, vocab, seed=seed)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,7 +39,7 @@ from siesta.distributed.collectives import broadcast, min_over_ranks
 from siesta.model.llama import CausalLM
 from siesta.model.loader import ModelSource
 from siesta.model.parallel import SINGLE, TensorParallel
-from siesta.request import PromptLogprobs, Request
+from siesta.request import TOKEN_TYPECODE, PromptLogprobs, Request
 from siesta.tiers.base import KVConnector
 
 logger = logging.getLogger(__name__)
@@ -425,7 +426,7 @@ class ModelRunner:
     def _plan(self, sched: SchedulerOutput, prev: LaunchedStep | None) -> tuple[StepPlan, list[ScheduledRequest]]:
         """The step as host arrays (what every rank needs), and the requests of its sampled rows."""
         items = sched.scheduled
-        ids: list[int] = []
+        ids = array(TOKEN_TYPECODE)  # the requests' own int64 arrays, appended without boxing
         unseen_at: list[int] = []  # token indices whose id is ``prev``'s sample, still on the device
         unseen_rows: list[int] = []  # and the rows of ``prev`` that sampled them
         starts = [0]
@@ -459,7 +460,7 @@ class ModelRunner:
         pos = np.arange(starts[-1], dtype=np.int64) - np.repeat(np.asarray(starts[:-1]) - (np.asarray(seq_lens) - q_lens), q_lens)
         slots = table[row_of_token, pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
         plan = StepPlan(
-            starts=starts, seq_lens=seq_lens, table=table, slots=slots, input_ids=np.asarray(ids, dtype=np.int64),
+            starts=starts, seq_lens=seq_lens, table=table, slots=slots, input_ids=np.frombuffer(ids, dtype=np.int64),
             positions=pos, logits_rows=np.asarray(logits_rows, dtype=np.int64),
             unseen_at=np.asarray(unseen_at, dtype=np.int64), unseen_rows=np.asarray(unseen_rows, dtype=np.int64),
             prompt=_prompt_rows(scored) if scored else None,

@@ -52,7 +52,11 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
         return
     # One conversion for the whole range, not one per block: a 19.5k-token prompt's 1,218
     # blocks hash in about half the time, before its tier lookups can start.
-    data = memoryview(array(_TOKEN_TYPECODE, token_ids[first * block_size : num_full * block_size]).tobytes())
+    span = token_ids[first * block_size : num_full * block_size]
+    if not (isinstance(span, array) and span.typecode == _TOKEN_TYPECODE):
+        span = array(_TOKEN_TYPECODE, span)
+    # Bytes, not a view of the array: an array with a view alive cannot grow.
+    data = memoryview(span.tobytes())
     step = block_size * _TOKEN_BYTES
     parent = hashes[-1] if hashes else None
     for offset in range(0, len(data), step):

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,6 +43,9 @@ CHUNKS_PER_WINDOW = 4
 # Host rows and the device block ids they pair with, row i with block_ids[i].
 CopyPart = tuple[torch.Tensor, Sequence[int]]
 Direction = Literal["in", "out"]  # into the device cache (loads) or out of it (stores)
+# Told each job's moments, from the thread that sees them: "submitted", "issued" (its first
+# chunk), "landed" (its last); with the job id and time.perf_counter().
+CopyTrace = Callable[[str, object, float], None]
 
 
 @dataclass
@@ -82,6 +85,7 @@ class CopyFeeder:
         self._queued_bytes = 0
         self._landed: list[object] = []
         self._error: BaseException | None = None
+        self.trace: CopyTrace | None = None  # a bench's timeline; None costs a test per call
         # Wall seconds with copies in flight: bytes over this is the link's rate while copying,
         # not diluted by the idle time between resumes.
         self._busy_s = 0.0
@@ -106,6 +110,8 @@ class CopyFeeder:
         if after is None:
             after = self.compute_mark()
         chunks = self._split(job_id, list(parts), kv, after)
+        if self.trace is not None:
+            self.trace("submitted", job_id, time.perf_counter())
         with self._lock:
             self._queue.extend(chunks)
             self._queued_bytes += sum(c.nbytes for c in chunks)
@@ -196,6 +202,8 @@ class CopyFeeder:
                 self._busy_since = time.perf_counter()  # before the issue: on CPU the copy runs in it
             self._issued.append(_Issued(chunks, self._issue(chunks)))
             self._issued_bytes += nbytes
+            if self.trace is not None:
+                _trace_issued(self.trace, chunks)
 
     def _joins_call(self, chunks: list[_Chunk], nxt: _Chunk) -> bool:
         """Whether queued chunk ``nxt`` goes out in the same call as ``chunks``: if it fits in
@@ -215,7 +223,12 @@ class CopyFeeder:
 
     def _retire(self, issued: _Issued) -> None:
         self._issued_bytes -= issued.nbytes
-        self._landed.extend(c.job_id for c in issued.chunks if c.last)
+        landed = [c.job_id for c in issued.chunks if c.last]
+        self._landed.extend(landed)
+        if self.trace is not None:
+            now = time.perf_counter()
+            for job_id in landed:
+                self.trace("landed", job_id, now)
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -237,3 +250,9 @@ class CopyFeeder:
             logger.exception("tier copy feeder (%s) stopped", self.direction)
             with self._lock:
                 self._error = e
+
+
+def _trace_issued(trace: CopyTrace, chunks: list[_Chunk]) -> None:
+    now = time.perf_counter()
+    for job_id in dict.fromkeys(c.job_id for c in chunks):
+        trace("issued", job_id, now)  # told again for a job's later chunks: a reader keeps the first

@@ -147,9 +147,9 @@ class OffloadingConnector(KVConnector):
                                             threaded=self.copier.cuda)  # fmt: skip
         self.stores: TierCopies = CopyFeeder(self.copier, "out", self.cfg.store_window_bytes, ctx.block_bytes,
                                              threaded=False)  # fmt: skip
-        # Its busy seconds are the load seconds (at tensor parallel > 1, rank 0's copies'; every
-        # rank moves the same bytes over its own link at the same time).
-        self._load_clock: CopyFeeder = self.loads
+        # Rank 0's load feeder, whose busy seconds are the load seconds (at tensor parallel > 1
+        # every rank moves the same bytes over its own link at the same time); benches trace it.
+        self.load_feeder: CopyFeeder = self.loads
         self._load_seconds_seen = 0.0
         if ctx.ranks is not None:  # every rank copies its own part of each entry
             self.loads = ctx.ranks.copies(self.loads, "in", self.host.buffer)
@@ -445,6 +445,6 @@ class OffloadingConnector(KVConnector):
         if self.disk is not None:
             self.ctx.stats.set("kv_offload_bytes_used", self.disk.bytes_used, tier="disk")
             self.ctx.stats.set("kv_offload_bytes_capacity", self.disk.capacity, tier="disk")
-        load_s = self._load_clock.busy_seconds
+        load_s = self.load_feeder.busy_seconds
         self.ctx.stats.inc("kv_offload_load_seconds", load_s - self._load_seconds_seen, tier="host")
         self._load_seconds_seen = load_s

@@ -81,3 +81,19 @@ def test_kept_replays_each_load_the_prompts_again_and_report_the_link_while_load
     rates = [kept["link_gbps"]] + [r["link_gbps"] for r in kept["replays"]]
     assert measured["link_gbps"] == statistics.median(rates)
     assert measured["decode_step_s"] == floor["decode_step_s"] and measured["kv_bytes"] == floor["kv_bytes"]
+    _check_timeline(kept["timeline"], kept["replay_latencies_s"])
+    assert kept["timeline_marks"]["first"] == kept["timeline"]["requests"][0]
+
+
+def _check_timeline(timeline: dict, latencies: list[float]) -> None:
+    """Each request's loads go submitted, issued, landed, then it finishes; loads land in the
+    order added; the first step starts once every request is added."""
+    requests = timeline["requests"]
+    assert len(requests) == REQUESTS
+    assert sorted(r["finished"] for r in requests) == latencies
+    for r in requests:
+        assert r["submitted"] <= r["issued"] <= r["landed"] <= r["finished"]
+    landed = [r["landed"] for r in requests]
+    assert landed == sorted(landed)
+    steps = timeline["steps"]
+    assert timeline["adds_done_s"] <= steps[0][0] and all(a <= b for a, b in steps)

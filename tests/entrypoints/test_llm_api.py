@@ -223,6 +223,12 @@ def test_invalid_sampling_values_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("bad", [10**9, -1, 2**63, 2.5])  # past the vocabulary, negative, past int64, not an int
+def test_bad_token_ids_are_named(llm, bad):
+    with pytest.raises(RequestRejected, match=f"^prompt token id {bad!r} is outside the vocabulary"):
+        llm.generate({"prompt_token_ids": [1, bad, 2]}, GREEDY, use_tqdm=False)
+
+
 def test_bad_token_ids_and_empty_prompts(llm):
     with pytest.raises(RequestRejected, match="outside the vocabulary"):
         llm.generate({"prompt_token_ids": [1, 10**9]}, GREEDY, use_tqdm=False)
