@@ -8,10 +8,13 @@ block between tiers is a single copy.
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
+
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -20,6 +23,10 @@ class KVCache:
     # On CPU: the anonymous mapping behind ``tensor``. Its pages are zero until written and
     # committed only then, so a large cache costs what it holds; sleep gives them back.
     host_map: mmap.mmap | None = None
+    # Per block: its memory holds whatever bits it was mapped with (after a wake), maybe NaN
+    # patterns, which attention must never read in a block's unwritten slots (NaN * 0 is NaN).
+    # None: every block is zero or written.
+    unset: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
     def allocate(
@@ -67,6 +74,28 @@ class KVCache:
     @property
     def block_bytes(self) -> int:
         return self.tensor[0].numel() * self.tensor.element_size()
+
+    def forget_contents(self) -> None:
+        """Every block holds arbitrary bits now. Blocks are zeroed as steps first use them, not
+        all at a wake: a 116 GB cache takes ~30 ms of the device to zero (H200), and the first
+        tier loads of a resume waited behind it."""
+        self.unset = np.ones(self.num_blocks, dtype=bool)
+
+    def overwritten(self, block_ids: list[int]) -> None:
+        """Blocks a copy writes whole (a tier load): they need no zeroing."""
+        if self.unset is not None:
+            self.unset[block_ids] = False
+
+    def claim_unset(self, block_ids: np.ndarray) -> np.ndarray:
+        """Those of ``block_ids`` still unset, marked written: the caller zeros them on the
+        compute stream before it writes or reads them."""
+        if self.unset is None:
+            return _NO_BLOCKS
+        ids = np.unique(block_ids[self.unset[block_ids]]).astype(np.int64)
+        self.unset[ids] = False
+        if not self.unset.any():
+            self.unset = None
+        return ids
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""

@@ -137,9 +137,7 @@ class SleepableMemory:
             return MemoryReport()
         t0 = time.perf_counter()
         if self._kv_map is None:
-            self._kv.resize_(self._kv_size)
-            # Fresh memory may hold NaN bit patterns; unwritten slots of a block must read as finite.
-            self._kv.fill_(0)
+            self._kv.resize_(self._kv_size)  # unzeroed: the engine has its blocks zeroed as first used
         self.kv_released = False
         return MemoryReport(self._kv_size, time.perf_counter() - t0)
 
@@ -217,7 +215,5 @@ class ArenaMemory:
         if not self.kv_released:
             return MemoryReport()
         t0 = time.perf_counter()
-        self._kv.map()
-        # Fresh pages may hold NaN bit patterns; unwritten slots of a block must read as finite.
-        self._kv.tensor.zero_()
+        self._kv.map()  # unzeroed: the engine has its blocks zeroed as first used
         return MemoryReport(self.kv_bytes, time.perf_counter() - t0)

@@ -540,7 +540,12 @@ class EngineCore(OneCallUpdates):
         if "weights" in tags:
             self.memory_reports["wake_weights"], _ = self.memory.restore_weights()
         if "kv_cache" in tags:
+            mapped_again = self.memory.kv_released
             self.memory_reports["wake_kv_cache"] = self.memory.restore_kv_cache()
+            if mapped_again:
+                # Fresh memory may hold NaN bit patterns: each block is zeroed by the first step
+                # that uses it, on every rank (its plan names them), unless a tier load writes it whole.
+                self.runner.kv_cache.forget_contents()
         if not self.memory.keeps_addresses:
             self.ranks.run("memory_moved")
         self._record_memory_seconds("wake", time.perf_counter() - t0, tags=",".join(sorted(set(tags))))

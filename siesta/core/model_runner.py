@@ -87,6 +87,8 @@ class StepPlan:
     unseen_at: np.ndarray  # [unseen] token indices whose id the previous step sampled
     unseen_rows: np.ndarray  # [unseen] and the rows of the previous step that sampled them
     prompt: tuple[np.ndarray, np.ndarray, list[PromptSpan], list[str]] | None = None  # see _prompt_rows
+    # [blocks] int64: unset since a wake (KVCache.unset), zeroed before this step's forward.
+    zero_blocks: np.ndarray | None = None
 
     @property
     def num_unseen(self) -> int:
@@ -464,8 +466,18 @@ class ModelRunner:
             positions=pos, logits_rows=np.asarray(logits_rows, dtype=np.int64),
             unseen_at=np.asarray(unseen_at, dtype=np.int64), unseen_rows=np.asarray(unseen_rows, dtype=np.int64),
             prompt=_prompt_rows(scored) if scored else None,
+            zero_blocks=self._claim_unset(table, items),
         )  # fmt: skip
         return plan, sampled
+
+    def _claim_unset(self, table: np.ndarray, items: list[ScheduledRequest]) -> np.ndarray | None:
+        if self.kv_cache.unset is None:
+            return None
+        # The rows' own blocks, not the table's padding: block 0 may be another request's,
+        # with a tier load on its way in.
+        owned = np.arange(table.shape[1]) < np.asarray([len(item.block_ids) for item in items])[:, None]
+        ids = self.kv_cache.claim_unset(table[owned])
+        return ids if len(ids) else None
 
     def _device_inputs(self, plan: StepPlan, prev_tokens: torch.Tensor | None, sampled: list[ScheduledRequest]) -> StepInputs:
         """The plan's arrays on the device, in one launch (never a copy engine: tier copies keep
@@ -476,7 +488,12 @@ class ModelRunner:
                 plan.input_ids, plan.positions, plan.logits_rows, plan.unseen_at, plan.unseen_rows]  # fmt: skip
         if plan.prompt is not None:
             host.extend(plan.prompt[:2])
+        if plan.zero_blocks is not None:
+            host.append(plan.zero_blocks)
         moved = to_device_many([torch.from_numpy(h) for h in host], self.device)
+        if plan.zero_blocks is not None:
+            # On the compute stream, before the forward writes or reads them.
+            self.kv_cache.tensor.index_fill_(0, moved.pop(), 0)
         starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d, at_d, from_d = moved[:9]
         prompt = None if plan.prompt is None else PromptRows(*moved[9:], *plan.prompt[2:])
         if plan.num_unseen:

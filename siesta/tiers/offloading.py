@@ -341,6 +341,7 @@ class OffloadingConnector(KVConnector):
         for piece in job.pieces:
             first = piece.entry_first
             parts.append((self.host.part(piece.entry)[first : first + piece.count], piece.block_ids))
+            kv_cache.overwritten(piece.block_ids)  # whole blocks: none needs zeroing after a wake
         self._loading[job.request_id] = job
         self.loads.submit(job.request_id, parts, kv_cache, after=after)
 

@@ -10,6 +10,7 @@ from siesta.core.engine_core import EngineStateError
 
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPTS = [list(range(10, 10 + n)) for n in (40, 75, 130)]
+LOAD_BYTES = 'siesta_kv_offload_load_bytes_total{tier="host"}'
 
 
 @pytest.fixture
@@ -141,3 +142,28 @@ def test_reset_prefix_cache_with_running_requests(llm, reference):
     llm.reset_prefix_cache()
     llm.generate({"prompt_token_ids": PROMPTS[2]}, PARAMS, use_tqdm=False)
     assert llm.get_metrics()["siesta_prefix_cache_hits_total"] == c0
+
+
+@pytest.mark.parametrize("keep_tier", [False, True])
+def test_a_woken_cache_of_nan_bits_is_zeroed_block_by_block_as_steps_use_it(reference, keep_tier):
+    # A wake maps fresh memory, unzeroed: poisoned here with NaN, as fresh pages may read.
+    # Blocks a step uses are zeroed first, blocks a tier load writes are left to it, and the
+    # outputs are what a never-slept engine gives.
+    tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22}}  # fmt: skip
+    llm = LLM("random:tiny-llama", dtype="float32", kv_cache_bytes=1 << 23, max_model_len=512, kv_transfer_config=tier)
+    requests = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm.generate(requests, PARAMS, use_tqdm=False)
+    llm.sleep(level=1, clear_connector_cache=not keep_tier)
+    llm.wake_up()
+    kv = llm.engine.runner.kv_cache
+    kv.tensor.fill_(float("nan"))
+    loaded_before = llm.get_metrics().get(LOAD_BYTES, 0.0)
+    outs = llm.generate(requests, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    loaded = llm.get_metrics().get(LOAD_BYTES, 0.0) - loaded_before
+    assert (loaded > 0) == keep_tier
+    assert kv.unset is not None and 0 < kv.unset.sum() < kv.num_blocks, "only the blocks used were zeroed"
+    used = torch.from_numpy(~kv.unset)
+    assert torch.isfinite(kv.tensor[used]).all(), "no used block keeps a NaN in an unwritten slot"
+    assert torch.isnan(kv.tensor[~used]).all()
