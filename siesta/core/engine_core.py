@@ -194,7 +194,7 @@ class EngineCore(OneCallUpdates):
         self.scheduler.set_held(len(self._held))
 
     def _core_request(self, req: EngineCoreRequest) -> Request:
-        request = Request(
+        return Request(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
             sampling_params=req.sampling_params,
@@ -202,7 +202,6 @@ class EngineCore(OneCallUpdates):
             cache_salt=req.cache_salt,
             arrival_time=req.arrival_time,
         )
-        return request
 
     def _queue(self, request: Request) -> None:
         # Keyed when queued, not when added: a request held through a pause runs under the

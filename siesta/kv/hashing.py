@@ -12,6 +12,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from siesta.request import TOKEN_TYPECODE
+
 BlockHash = bytes
 
 _DIGEST_BYTES = 16
@@ -31,12 +33,12 @@ class ExtraKeys:
         return f"{self.model_fingerprint}\x00{self.weight_version}\x00{salt}".encode()
 
 
-_TOKEN_TYPECODE = "q"  # each token id hashed as 8 little-endian bytes
-_TOKEN_BYTES = array(_TOKEN_TYPECODE).itemsize
+# Each token id is hashed as 8 little-endian bytes: the request's own array (int64) as it is.
+_TOKEN_BYTES = array(TOKEN_TYPECODE).itemsize
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes) -> BlockHash:
-    return _hash_bytes(parent, array(_TOKEN_TYPECODE, token_ids).tobytes(), extra)
+    return _hash_bytes(parent, array(TOKEN_TYPECODE, token_ids).tobytes(), extra)
 
 
 def _hash_bytes(parent: BlockHash | None, token_bytes: bytes | memoryview, extra: bytes) -> BlockHash:
@@ -53,8 +55,8 @@ def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], block
     # One conversion for the whole range, not one per block: a 19.5k-token prompt's 1,218
     # blocks hash in about half the time, before its tier lookups can start.
     span = token_ids[first * block_size : num_full * block_size]
-    if not (isinstance(span, array) and span.typecode == _TOKEN_TYPECODE):
-        span = array(_TOKEN_TYPECODE, span)
+    if not (isinstance(span, array) and span.typecode == TOKEN_TYPECODE):
+        span = array(TOKEN_TYPECODE, span)
     # Bytes, not a view of the array: an array with a view alive cannot grow.
     data = memoryview(span.tobytes())
     step = block_size * _TOKEN_BYTES
