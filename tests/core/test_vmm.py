@@ -128,3 +128,30 @@ def test_level2_sleep_then_weights_from_a_state_dict() -> None:
     llm.update_weights(state.items(), weight_version=llm.engine.weight_version)
     llm.wake_up(tags=["kv_cache"])
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+@pytest.mark.parametrize("keep_tier", [False, True])
+def test_woken_pages_of_nan_bits_are_zeroed_on_the_device_as_steps_use_them(keep_tier: bool) -> None:
+    # The CUDA side of test_engine_control's NaN test: re-mapped pages poisoned with NaN, the
+    # zeroing done by index_fill_ over a bf16 cache with graphs on, and tier loads left alone.
+    from siesta import LLM, SamplingParams
+
+    tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 64 * MiB}}  # fmt: skip
+    llm = LLM("random:tiny-llama", dtype="bfloat16", max_model_len=512, kv_cache_bytes=64 * MiB, device="cuda",
+              kv_transfer_config=tier)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(7 + i, 80 + 40 * i))} for i in range(3)]
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.sleep(level=1, clear_connector_cache=not keep_tier)
+    llm.wake_up()
+    kv = llm.engine.runner.kv_cache
+    kv.tensor.fill_(float("nan"))
+    load_bytes = 'siesta_kv_offload_load_bytes_total{tier="host"}'
+    loaded_before = llm.get_metrics().get(load_bytes, 0.0)
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert after == before
+    assert (llm.get_metrics().get(load_bytes, 0.0) > loaded_before) == keep_tier
+    used = torch.from_numpy(~kv.unset).to(kv.tensor.device)
+    assert 0 < int(used.sum()) < kv.num_blocks
+    assert torch.isfinite(kv.tensor[used]).all()
