@@ -1,8 +1,12 @@
 """Fixtures of the end-to-end tests.
 
-One dev-mode server on the embedded model serves most modules (package scope: starting
-one costs seconds); modules that need other flags start their own. Every test leaves the
-shared server awake and resumed.
+One dev-mode server on the embedded model serves most modules; modules that need other
+flags start their own. Every test leaves the shared server awake and resumed.
+
+The shared server and the offline engine live for the whole session, not the package:
+``--dist loadfile`` hands out files largest first, so a worker interleaves e2e modules with
+the others, and a package-scoped server was stopped and started again at every return to
+tests/e2e (13 starts of 10-25 s each in one run). Idle between modules, they cost no CPU.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import pytest
 from e2e.servers import DEV_MAX_MODEL_LEN, OFFLINE_KV_CACHE_BYTES, SERVER_KV_CACHE_BYTES, start_server, stop_server
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def dev_server():
     server = start_server(
         "--dev-mode", "--max-model-len", str(DEV_MAX_MODEL_LEN), "--kv-cache-bytes", str(SERVER_KV_CACHE_BYTES)
@@ -22,7 +26,7 @@ def dev_server():
     stop_server(server)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def offline_llm():
     """The in-process engine on the same model: the oracle for the server's greedy text."""
     from siesta import LLM
