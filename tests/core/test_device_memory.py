@@ -113,6 +113,9 @@ def test_a_failed_background_pin_falls_back_and_unpins_what_it_had_pinned() -> N
     backup = HostBackup(8 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB)
     with pytest.raises(RuntimeError, match="not ready"):
         backup.store(torch.zeros(4, dtype=torch.uint8))
+    # Let the thread reach its failing pin first: were _pin cleared before that, the second
+    # chunk would go unpinned without an error, and nothing would fall back.
+    backup.settle()
     fake_pin = fake.pinned[:]
     # The fallback allocates the way torch pins (pin_memory), which this CPU-only test cannot:
     # what matters is that the half-registered memory was unregistered before it was freed.
