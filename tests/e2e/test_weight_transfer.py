@@ -125,36 +125,34 @@ def test_bad_bodies_are_4xx_naming_the_problem_and_the_server_lives(server, path
         assert served_logprobs(client)[0]
 
 
-def test_a_trainer_that_dies_mid_transfer_leaves_the_server_refusing_until_a_full_push():
-    server = serve("nccl")
-    try:
-        with server.client() as client:
-            version = client.weight_version()
-            port = free_port()
-            state = trainer(3).state_dict()
-            proc = subprocess.Popen([sys.executable, str(TRAINERS), "--port", str(port), "--mode", "die-after",
-                                     "--nbytes", "65536"], stdout=subprocess.PIPE, text=True)  # fmt: skip
-            assert proc.stdout.readline().strip() == "starting"
-            client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": port,
-                                                "rank_offset": 1, "world_size": 2})  # fmt: skip
-            info = {"names": list(state), "dtype_names": ["float32"] * len(state),
-                    "shapes": [list(t.shape) for t in state.values()], "packed": True,
-                    "packed_buffer_size_bytes": 65536 - 1}  # fmt: skip
-            client.start_weight_update()
-            with pytest.raises(SiestaAPIError) as err:
-                client.update_weights({"update_info": info})
-            proc.wait(30)
-            assert err.value.status_code == 502 and "the weight broadcast failed" in err.value.message
-            assert client.weight_version() == version
-            with pytest.raises(SiestaAPIError) as refused:
-                client.completions(PROMPT, max_tokens=2)
-            assert refused.value.status_code == 400 and "cannot generate" in refused.value.message
-            assert httpx.get(server.url + "/health").status_code == 200
-            sender = WeightSender(client, "nccl")
-            sender.init()
-            hf = trainer(4)
-            sender.push(hf)
-            sender.close()
-            assert_serves(client, hf)
-    finally:
-        stop_server(server)
+# On the module's nccl server (a fresh one costs a start): it ends with a full push, as it found it.
+@pytest.mark.parametrize("server", ["nccl"], indirect=True)
+def test_a_trainer_that_dies_mid_transfer_leaves_the_server_refusing_until_a_full_push(server):
+    with server.client() as client:
+        version = client.weight_version()
+        port = free_port()
+        state = trainer(3).state_dict()
+        proc = subprocess.Popen([sys.executable, str(TRAINERS), "--port", str(port), "--mode", "die-after",
+                                 "--nbytes", "65536"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert proc.stdout.readline().strip() == "starting"
+        client.init_weight_transfer_engine({"master_address": "127.0.0.1", "master_port": port,
+                                            "rank_offset": 1, "world_size": 2})  # fmt: skip
+        info = {"names": list(state), "dtype_names": ["float32"] * len(state),
+                "shapes": [list(t.shape) for t in state.values()], "packed": True,
+                "packed_buffer_size_bytes": 65536 - 1}  # fmt: skip
+        client.start_weight_update()
+        with pytest.raises(SiestaAPIError) as err:
+            client.update_weights({"update_info": info})
+        proc.wait(30)
+        assert err.value.status_code == 502 and "the weight broadcast failed" in err.value.message
+        assert client.weight_version() == version
+        with pytest.raises(SiestaAPIError) as refused:
+            client.completions(PROMPT, max_tokens=2)
+        assert refused.value.status_code == 400 and "cannot generate" in refused.value.message
+        assert httpx.get(server.url + "/health").status_code == 200
+        sender = WeightSender(client, "nccl")
+        sender.init()
+        hf = trainer(4)
+        sender.push(hf)
+        sender.close()
+        assert_serves(client, hf)
