@@ -50,21 +50,19 @@ def test_the_seed_flow_at_tensor_parallel_3(tp_server, offline_llm):
         assert arm["warm_text"] == want and arm["replay_text"] == want
 
 
-def test_a_killed_rank_takes_the_server_down_with_its_name():
-    server = _tp_server()
-    try:
-        ranks = _rank_pids(server.process.pid)
-        assert len(ranks) == TP - 1, ranks
-        os.kill(ranks[0], signal.SIGKILL)
-        t0 = time.monotonic()
-        code = server.process.wait(DEATH_BOUND_S)
-        assert code == EXIT_DEAD_ENGINE, server.log()
-        assert time.monotonic() - t0 < DEATH_BOUND_S
-        assert "tensor-parallel rank" in server.log() and "killed by SIGKILL" in server.log()
-        time.sleep(1.0)
-        assert not [p for p in ranks[1:] if _alive(p)], "the other ranks outlived the engine"
-    finally:
-        stop_server(server)
+# Last in the module, as pytest runs it: it ends the module's server (a fresh one at tensor
+# parallel 3 costs the suite its slowest start).
+def test_a_killed_rank_takes_the_server_down_with_its_name(tp_server):
+    ranks = _rank_pids(tp_server.process.pid)
+    assert len(ranks) == TP - 1, ranks
+    os.kill(ranks[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    code = tp_server.process.wait(DEATH_BOUND_S)
+    assert code == EXIT_DEAD_ENGINE, tp_server.log()
+    assert time.monotonic() - t0 < DEATH_BOUND_S
+    assert "tensor-parallel rank" in tp_server.log() and "killed by SIGKILL" in tp_server.log()
+    time.sleep(1.0)
+    assert not [p for p in ranks[1:] if _alive(p)], "the other ranks outlived the engine"
 
 
 def _children(pid: int) -> list[int]:
