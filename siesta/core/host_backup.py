@@ -13,14 +13,21 @@ capture waits at most one chunk's registration.
 
 Copies never span two chunks: each chunk is its own registration, and a copy that crossed
 from one into the next could be taken for pageable memory by the driver.
+
+A backup closed, or a process exiting, while its chunks are still being pinned stops the
+thread at the next chunk and waits for it. Left running, the thread was inside the CUDA
+runtime as the process tore it down, and such a process aborted at exit ("terminate called
+without an active exception") when it ended within seconds of starting an engine.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -37,6 +44,12 @@ CAPTURE_LOCK = threading.Lock()
 
 Pinner = Callable[[int, int], None]  # (address, bytes): pin that range, or raise
 Unpinner = Callable[[int], None]
+
+_PINNING: weakref.WeakSet[HostBackup] = weakref.WeakSet()  # those whose thread may still run
+
+
+class _Stopped(Exception):
+    """The backup was stopped before all of it was made."""
 
 
 def cuda_pinner(device: torch.device) -> tuple[Pinner, Unpinner]:
@@ -75,8 +88,10 @@ class HostBackup:
         self._error: BaseException | None = None
         self.prepare_s = 0.0  # how long making the memory took
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
         if background:
             self._thread = threading.Thread(target=self._prepare, name="siesta-host-backup", daemon=True)
+            _PINNING.add(self)
             self._thread.start()
 
     @property
@@ -89,6 +104,11 @@ class HostBackup:
             self._thread.join()
             self._thread = None
 
+    def stop(self) -> None:
+        """End background work at the next chunk (what it made stays, to be released)."""
+        self._stop.set()
+        self.settle()
+
     @property
     def ready(self) -> bool:
         return self._buffer is not None and (self._thread is None or not self._thread.is_alive())
@@ -96,6 +116,8 @@ class HostBackup:
     def wait(self) -> float:
         """Make sure the memory exists; returns the seconds spent waiting for (or making) it."""
         t0 = time.perf_counter()
+        if self._stop.is_set():
+            raise RuntimeError("the host backup was closed")
         self.settle()
         if self._buffer is None or self._error is not None:
             if self._error is not None:  # pinning failed in the background: pin the way torch does
@@ -114,6 +136,8 @@ class HostBackup:
         try:
             buffer = self._made = torch.empty(self.nbytes, dtype=torch.uint8)
             for start in range(0, self.nbytes, self.chunk_bytes):
+                if self._stop.is_set():
+                    raise _Stopped
                 chunk = buffer[start : start + self.chunk_bytes]
                 chunk.zero_()  # the pages exist before the driver is asked to pin them
                 if self._pin is not None:
@@ -164,9 +188,16 @@ class HostBackup:
 
     def close(self) -> None:
         """Unpin and free the memory (after any copy into or out of it has completed)."""
-        self.settle()
+        self.stop()
         self._release()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter exit the runtime may already be gone
             self.close()
+
+
+@atexit.register
+def _stop_pinning() -> None:
+    # Run after the non-daemon threads are joined, while the CUDA runtime is still whole.
+    for backup in list(_PINNING):
+        backup.stop()

@@ -3,6 +3,7 @@ gives it back on sleep. Measured as the process's resident bytes (Linux /proc)."
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
@@ -122,6 +123,43 @@ def test_a_failed_background_pin_falls_back_and_unpins_what_it_had_pinned() -> N
     backup._pin = None
     backup.wait()
     assert fake.unpinned == [a for a, _ in fake_pin] and backup.ready
+
+
+def test_closing_a_backup_mid_pinning_stops_at_the_next_chunk_and_unpins_what_it_pinned() -> None:
+    fake = FakePinner(gate=threading.Event())
+    backup = HostBackup(16 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB)
+    threading.Timer(0.05, fake.gate.set).start()  # the first pin is under way when close() comes
+    time.sleep(0.01)
+    backup.close()
+    assert len(fake.pinned) == 1, "the thread went on past the chunk it was pinning"
+    assert fake.unpinned == [fake.pinned[0][0]]
+    with pytest.raises(RuntimeError, match="closed"):
+        backup.wait()
+
+
+# Pins 40 chunks at 50 ms each, and exits while the thread is inside a pin.
+_EXITING_WHILE_PINNING = """
+import sys, time
+from siesta.core.host_backup import HostBackup
+
+def pin(address, nbytes):
+    print("enter", flush=True)
+    time.sleep(0.05)
+    print("leave", flush=True)
+
+backup = HostBackup(40 * 4096, (pin, lambda a: None), background=True, chunk_bytes=4096)
+time.sleep(0.12)
+"""
+
+
+def test_a_process_exiting_while_its_backup_pins_waits_for_the_chunk_in_hand_only() -> None:
+    # Killed inside a pin, the thread would be inside the CUDA runtime as the process tears it
+    # down (which aborted such processes on the H200); stopped at exit, it ends between chunks.
+    done = subprocess.run([sys.executable, "-c", _EXITING_WHILE_PINNING], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split()
+    assert lines and lines[-1] == "leave", lines
+    assert 1 <= lines.count("leave") < 40, "the exit waited for the whole backup"
 
 
 @pytest.mark.parametrize("background", [True, False])
