@@ -14,8 +14,9 @@ shapes, from 9 rows to a 2,048-token prefill, and beats MKL at 1-8 rows too (whe
 kernel is unavailable). On a 2-core Intel Xeon (AVX-512, 2026-12-03) the gap is gone:
 oneDNN runs at 0.8-1.0x MKL there, at about 300 GFLOP/s each
 (``bench/results/cpu-linear-intel-xeon-2core-2026-12-03.json``): which library wins depends on
-the CPU. ``python -m siesta.bench.cpu_linear`` measures the three. It reads the plain row-major weight, so weights written
-in place (a weight push, a reload) are what it multiplies: nothing is packed or cached.
+the CPU. ``python -m siesta.bench.cpu_linear`` measures the three. It reads the plain
+row-major weight, so weights written in place (a weight push, a reload) are what it
+multiplies: nothing is packed or cached.
 """
 
 from __future__ import annotations
