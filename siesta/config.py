@@ -122,6 +122,22 @@ class SchedulerConfig:
             )
 
 
+CPU_MATMULS = ("auto", "mkl", "onednn")
+
+
+@dataclass
+class CpuConfig:
+    """How an engine on the CPU computes (ignored on CUDA)."""
+
+    # The library of fp32 linears past a decode step's few rows (siesta/model/cpu_linear.py):
+    # "auto" takes oneDNN on AMD CPUs and MKL (F.linear's) elsewhere, as measured on each.
+    matmul: str = "auto"
+
+    def validate(self) -> None:
+        if self.matmul not in CPU_MATMULS:
+            raise ConfigError(f"cpu.matmul must be one of {', '.join(CPU_MATMULS)}, got {self.matmul!r}")
+
+
 @dataclass
 class ParallelConfig:
     """Tensor parallelism: one process per rank (rank 0 is the engine core's own), one device each."""
@@ -248,6 +264,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None
     weight_transfer: WeightTransferConfig = field(default_factory=WeightTransferConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
     device: str | None = None  # None: cuda when available, else cpu
     enable_sleep_mode: bool = True
     # When the level-1 sleep's host backup of the weights is made (pinned, on CUDA):
@@ -339,6 +356,7 @@ class EngineConfig:
             self.kv_transfer.validate()
         self.weight_transfer.validate()
         self.parallel.validate(self.torch_device())
+        self.cpu.validate()
         if self.weight_backup not in WEIGHT_BACKUP_MODES:
             raise ConfigError(f"weight_backup must be one of {', '.join(WEIGHT_BACKUP_MODES)}, got {self.weight_backup!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -3,9 +3,8 @@
 Decode on the CPU is bound by reading the paged K/V. The torch path gathers each
 row's blocks into a new tensor before SDPA reads them (``torch_ref``); the kernel in
 ``cpu_decode.c`` walks the block tables instead and reads every byte once. It is
-built on first use with the machine's C compiler (gcc or cc; every supported setup
-has one) into the siesta cache, keyed by its source, flags and CPU, and loaded with
-ctypes, whose calls release the GIL: rows are split over a few Python threads.
+built on first use (``siesta/c_kernels.py``) and called through ctypes, which releases
+the GIL: rows are split over a few Python threads.
 Without a compiler, or for shapes and dtypes it does not take, the torch path serves.
 """
 
@@ -13,31 +12,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from siesta import c_kernels
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.torch_ref import TorchAttention
-from siesta.cache_dir import cache_dir
-
-logger = logging.getLogger(__name__)
+from siesta.c_kernels import CFLAGS
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-# Reassociation lets gcc vectorize the dot products. Not -ffast-math: a shared object built
-# with it sets flush-to-zero for the whole process when it is loaded.
-# -fopenmp: linear_rows splits its work with OpenMP (torch's runtime, see there).
-CFLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
-          "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")  # fmt: skip
-KERNEL_SUBDIR = "kernels"
 # The kernel's stack buffers (MAX_Q_HEADS, MAX_STATE, MAX_BLOCK in cpu_decode.c): a row's query
 # heads, its query heads x head_dim, the block size.
 MAX_Q_HEADS, MAX_STATE, MAX_BLOCK = 128, 8192, 128
@@ -56,16 +41,11 @@ _LINEAR_ARGTYPES = [
     _F32P, _I64, _F32P,  # weight [N, K], K, bias (or None)
     _F32P, _I64, _I64, _I64,  # y, its row stride, the output features [begin, end) of this call
 ]  # fmt: skip
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+_WRITE_KV_ARGTYPES = [
+    _F32P, _I64, _F32P, _I64, _I64,  # new K and V rows, their token strides, tokens
+    _I64P, _F32P, _F32P, _I64, _I64,  # slots; K and V cache views, block and slot strides
+    ctypes.c_int, _I64,  # block size, floats a row
+]  # fmt: skip
 
 
 @functools.cache
@@ -75,34 +55,17 @@ def load_kernel() -> ctypes.CDLL | None:
 
 
 def build_kernel(source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL | None:
-    """``source`` (a ``paged_decode`` of this module's signature) compiled with ``flags`` into the siesta
-    cache and loaded; None without a working C compiler. The benchmark also builds past versions."""
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        logger.warning("no C compiler found: CPU decode attention gathers K/V through torch (slower)")
+    """``source`` (a ``paged_decode`` of this module's signature) built and bound; None without a
+    working C compiler. The benchmark also builds past versions."""
+    lib = c_kernels.build("cpu_decode", source, flags)
+    if lib is None:
         return None
-    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_model().encode()).hexdigest()[:16]
-    cache = cache_dir() / KERNEL_SUBDIR
-    path = cache / f"cpu_decode-{platform.machine()}-{key}.so"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: safe across processes
-            built = Path(tmp) / path.name
-            src = Path(tmp) / SOURCE.name
-            src.write_bytes(source)
-            try:
-                result = subprocess.run([cc, *flags, str(src), "-o", str(built), "-lm"], capture_output=True, text=True)
-            except OSError as e:
-                logger.warning("cannot run the C compiler %s (%s): CPU decode attention goes through torch", cc, e)
-                return None
-            if result.returncode != 0:
-                logger.warning("building the CPU decode kernel failed, using torch:\n%s", result.stderr[-2000:])
-                return None
-            os.replace(built, path)
-    lib = ctypes.CDLL(str(path))
     lib.paged_decode.argtypes = _ARGTYPES
     lib.paged_decode.restype = None
-    if hasattr(lib, "linear_rows"):  # past builds (the benchmark's baseline) lack it
+    if hasattr(lib, "write_kv_rows"):  # past builds (the benchmark's baseline) lack these
+        lib.write_kv_rows.argtypes = _WRITE_KV_ARGTYPES
+        lib.write_kv_rows.restype = None
+    if hasattr(lib, "linear_rows"):
         lib.linear_rows.argtypes = _LINEAR_ARGTYPES
         lib.linear_rows.restype = None
     return lib
@@ -146,6 +109,18 @@ class CpuAttention(TorchAttention):
         for f in futures:
             f.result()
 
+    def _write_kv(self, k, v, kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor) -> None:
+        k_cache, v_cache = kv_cache.layer(layer_idx)
+        lib = self.kernel or load_kernel()
+        if lib is None or not hasattr(lib, "write_kv_rows") or not _rows_copy(k, v, k_cache, slot_mapping):
+            super()._write_kv(k, v, kv_cache, layer_idx, slot_mapping)
+            return
+        lib.write_kv_rows(
+            _ptr(k, _F32P), k.stride(0), _ptr(v, _F32P), v.stride(0), k.shape[0],
+            _ptr(slot_mapping, _I64P), _ptr(k_cache, _F32P), _ptr(v_cache, _F32P), k_cache.stride(0), k_cache.stride(1),
+            kv_cache.block_size, k.shape[1] * k.shape[2],
+        )  # fmt: skip
+
     def _rows(self, meta: AttentionMetadata, rows: list[int]):
         """The kernel's per-row arrays and thread split: built once per step, shared by every layer."""
         key = (meta, tuple(rows))
@@ -169,6 +144,16 @@ class CpuAttention(TorchAttention):
         heads, head_dim = q.shape[1], q.shape[2]
         fits = heads <= MAX_Q_HEADS and heads * head_dim <= MAX_STATE and k_cache.shape[1] <= MAX_BLOCK
         return fp32 and unit and fits
+
+
+def _rows_copy(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Whether ``write_kv_rows`` takes these: fp32 rows each whole in one run of memory, in the
+    source and in a cache slot, and int64 slots."""
+    fp32 = k.dtype == v.dtype == k_cache.dtype == torch.float32
+    heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    rows = all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v, k_cache[0]))
+    slots = slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.device.type == "cpu"
+    return fp32 and rows and slots and tuple(k.shape[1:]) == tuple(v.shape[1:]) == (heads, head_dim)
 
 
 def _balanced_bounds(lens: list[int], parts: int) -> list[int]:

@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MAX_Q_HEADS 128 /* query heads of a row */
 #define MAX_STATE 8192  /* query heads x head_dim: a row's queries and accumulators live on the stack */
@@ -250,5 +251,22 @@ void linear_rows(const float *x, int64_t x_stride, int rows, const float *w, int
             for (int64_t d = 0; d < k; d++) acc += wr[d] * xr[d];
             y[i * y_stride + n] = acc + (bias ? bias[n] : 0.0f);
         }
+    }
+}
+
+/* The K and V rows of `tokens` new tokens into their cache slots: token t's row (kv_heads x
+ * head_dim floats, contiguous in the source and in a slot) goes to slot slots[t] = block *
+ * block_size + offset. torch's two-index assignment does this at ~0.5 ms a layer for a
+ * 2,000-token prefill; a copy per row is ~20x less. Tokens are split over OpenMP threads;
+ * the slots of one step are distinct, so no two threads write one row. */
+void write_kv_rows(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t tokens,
+                   const int64_t *slots, float *k_cache, float *v_cache, int64_t block_stride,
+                   int64_t slot_stride, int block_size, int64_t row)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t at = slots[t] / block_size * block_stride + slots[t] % block_size * slot_stride;
+        memcpy(k_cache + at, k + t * k_stride, row * sizeof(float));
+        memcpy(v_cache + at, v + t * v_stride, row * sizeof(float));
     }
 }

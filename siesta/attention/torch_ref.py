@@ -49,7 +49,7 @@ class TorchAttention:
         scale: float,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv(k, v, kv_cache, layer_idx, meta.slot_mapping)
+        self._write_kv(k, v, kv_cache, layer_idx, meta.slot_mapping)
         if out is None:
             out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
@@ -61,6 +61,9 @@ class TorchAttention:
             if e - s > 1:
                 out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], kv_cache, layer_idx, meta, i, scale)
         return out
+
+    def _write_kv(self, k, v, kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor) -> None:
+        write_kv(k, v, kv_cache, layer_idx, slot_mapping)
 
     def _prefill(self, q, k, v, kv_cache, layer_idx, meta, i, scale) -> torch.Tensor:
         q_len, ctx_len = q.shape[0], meta.seq_lens_cpu[i]

@@ -36,6 +36,7 @@ from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.core.staging import to_device_many
 from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
 from siesta.distributed.collectives import broadcast, min_over_ranks
+from siesta.model import cpu_linear
 from siesta.model.llama import CausalLM
 from siesta.model.loader import ModelSource
 from siesta.model.parallel import SINGLE, TensorParallel
@@ -153,6 +154,8 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, self.device)
         if self.device.type == "cuda":
             staging.warm_up(self.device)  # pinned and compiled now, not in a step while tier copies run
+        else:
+            logger.info("CPU linears past %d rows: %s", cpu_linear.MAX_ROWS, cpu_linear.set_library(config.cpu.matmul))
         # Sleep on CUDA keeps addresses when weights and KV live in virtual-memory arenas.
         self.use_arenas = self.device.type == "cuda" and config.enable_sleep_mode and vmm_available()
         if self.device.type == "cuda" and config.enable_sleep_mode and not self.use_arenas:

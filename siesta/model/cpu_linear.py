@@ -1,22 +1,23 @@
 """Linear layers on the CPU (fp32, inference): a compiled kernel for a decode step's few rows,
-oneDNN's matmul for more.
+MKL's or oneDNN's matmul for more.
 
 At a few rows a linear layer only streams its weights. MKL's gemm reads them at about
 11 GB/s on the 2-core EPYC whatever the thread count; the kernel (``linear_rows`` in
 ``siesta/attention/cpu_decode.c``, OpenMP over the output features) at 15-22 GB/s: every
 linear of a SmolLM2 step at 1 row in 24 ms against 49 ms (1.9-2.8x at 1-8 rows). Past
-``MAX_ROWS`` the product is compute-bound.
-
-There ``F.linear`` calls MKL's sgemm, which on this AMD EPYC (AVX-512) reaches about
-200 GFLOP/s at SmolLM2's shapes with 2 threads; oneDNN's matmul (the ``mkldnn`` build
-inside torch, JIT-compiled for the CPU it finds) reaches 400-470 GFLOP/s on the same
-shapes, from 9 rows to a 2,048-token prefill, and beats MKL at 1-8 rows too (where the
-kernel is unavailable). On a 2-core Intel Xeon (AVX-512, 2026-12-03) the gap is gone:
-oneDNN runs at 0.8-1.0x MKL there, at about 300 GFLOP/s each
-(``bench/results/cpu-linear-intel-xeon-2core-2026-12-03.json``): which library wins depends on
-the CPU. ``python -m siesta.bench.cpu_linear`` measures the three. It reads the plain
-row-major weight, so weights written in place (a weight push, a reload) are what it
-multiplies: nothing is packed or cached.
+``MAX_ROWS`` the product is compute-bound, and which library is faster depends on the CPU:
+- on a 2-core AMD EPYC (AVX-512), MKL's sgemm (what ``F.linear`` calls) reaches about
+  200 GFLOP/s at SmolLM2's shapes and oneDNN's matmul (the ``mkldnn`` build inside torch,
+  JIT-compiled for the CPU it finds) 400-470, from 9 rows to a 2,048-token prefill;
+- on a 2-core Intel Xeon (AVX-512, 2026-12-03) oneDNN runs at 0.8-1.0x MKL, at about
+  300 GFLOP/s each (``bench/results/cpu-linear-intel-xeon-2core-2026-12-03.json``), and a
+  2,000-token prefill is 5% faster on MKL.
+So ``auto`` (``CpuConfig.matmul``) takes oneDNN on AMD CPUs, where MKL is known to take a
+generic code path, and MKL elsewhere: a rule of the CPU's vendor rather than a timing at
+start-up, so that every process on a machine multiplies with the same library and rounds the
+same way. ``python -m siesta.bench.cpu_linear`` measures the three on a new CPU. Both read
+the plain row-major weight, so weights written in place (a weight push, a reload) are what
+they multiply: nothing is packed or cached.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ import functools
 import torch
 
 from siesta.attention.cpu_attention import load_kernel
+from siesta.config import CPU_MATMULS
+from siesta.cpu_info import cpu_vendor
 
 MAX_ROWS = 8
+_AMD_VENDOR = "AuthenticAMD"
+_library: str | None = None  # of products past MAX_ROWS: set_library's choice (None: auto's, when first asked)
 
 
 def _fp32_inference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -56,15 +61,40 @@ def onednn_matmul():
         return None
 
 
+def resolve_library(name: str, vendor: str | None = None) -> str:
+    """``mkl`` or ``onednn`` for a ``CpuConfig.matmul`` setting; ``auto`` by the CPU's vendor."""
+    if name not in CPU_MATMULS:
+        raise ValueError(f"the CPU matmul must be one of {', '.join(CPU_MATMULS)}, got {name!r}")
+    if name == "auto":
+        name = "onednn" if (cpu_vendor() if vendor is None else vendor) == _AMD_VENDOR else "mkl"
+    if name == "onednn" and onednn_matmul() is None:
+        return "mkl"  # this torch build has no oneDNN: F.linear is MKL's
+    return name
+
+
+def set_library(name: str) -> str:
+    """Multiply rows past ``MAX_ROWS`` with ``name`` (see ``resolve_library``) in this process; the choice made."""
+    global _library
+    _library = resolve_library(name)
+    return _library
+
+
+def library() -> str:
+    global _library
+    if _library is None:
+        _library = resolve_library("auto")
+    return _library
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``F.linear(x, weight, bias)`` for fp32 rows on the CPU; None where neither kernel serves."""
+    """``F.linear(x, weight, bias)`` for fp32 rows on the CPU; None where F.linear itself (MKL) serves."""
     if not _fp32_inference(x, weight, bias):
         return None
     if _takes_rows(x, weight, bias):
         out = _linear_rows(x, weight, bias)
         if out is not None:
             return out
-    matmul = onednn_matmul()
+    matmul = onednn_matmul() if library() == "onednn" else None
     return None if matmul is None else matmul(x, weight, bias, "none", [], "")
 
 

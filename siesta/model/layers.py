@@ -1,8 +1,10 @@
 """Building blocks shared by the decoder: RMSNorm, rotary embeddings, fused projections.
 
 On CUDA the small ops (norms, residual adds, rotary, SiLU-and-multiply) run as one
-Triton kernel each (``triton_ops``), matching the torch code here (what runs on
-CPU) bit for bit except for the summation order of RMSNorm's fp32 sum of squares. Fewer kernels per layer is what a batch-1 decode step and an
+Triton kernel each (``triton_ops``), on the CPU in fp32 as one C kernel each
+(``cpu_ops``), both matching the torch code here (the fallback, and the reference) bit
+for bit except for the summation order of RMSNorm's fp32 sum of squares (and, on the
+CPU, SiLU's exp). Fewer kernels per layer is what a batch-1 decode step and an
 eager mixed step are short of.
 """
 
@@ -25,12 +27,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             return _triton_ops().rms_norm(x, self.weight, self.eps)
-        return self._reference(x)
+        fused = _cpu_ops().rms_norm(x, self.weight, self.eps)
+        return self._reference(x) if fused is None else fused[0]
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(x + residual), x + residual)``: the residual stream's next value and its norm."""
         if x.is_cuda:
             return _triton_ops().fused_add_rms_norm(x, residual, self.weight, self.eps)
+        fused = _cpu_ops().rms_norm(x, self.weight, self.eps, residual)
+        if fused is not None:
+            return fused
         total = x + residual
         return self._reference(total), total
 
@@ -92,6 +98,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if q.is_cuda:
             return _triton_ops().apply_rope(q, k, positions, self.cos, self.sin)
+        rq, rk = (_cpu_ops().rope(t, positions, self.cos, self.sin) for t in (q, k))
+        if rq is not None and rk is not None:
+            return rq, rk
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -101,6 +110,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for the two halves of a fused gate/up projection."""
     if gate_up.is_cuda:
         return _triton_ops().silu_and_mul(gate_up)
+    fused = _cpu_ops().silu_and_mul(gate_up)
+    if fused is not None:
+        return fused
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -163,6 +175,13 @@ def _triton_ops():
     from siesta.model import triton_ops
 
     return triton_ops
+
+
+def _cpu_ops():
+    # Imported on first CPU use: it loads (and may build) the CPU kernels.
+    from siesta.model import cpu_ops
+
+    return cpu_ops
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -153,3 +153,41 @@ def test_balanced_bounds_split_context_evenly() -> None:
     assert _balanced_bounds([5, 5], 1) == [0, 2]
     assert _balanced_bounds([5], 3) == [0, 1, 1, 1]
     assert KV_HEADS > 1  # the batches above exercise more than one KV head per row
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 300])
+def test_written_kv_rows_are_torchs_writes_bit_for_bit(tokens: int) -> None:
+    """The row copies into shuffled slots, from strided views of a fused projection, against
+    torch's two-index assignment; every other slot of every layer is left alone."""
+    from siesta.attention.base import KVCache
+    from siesta.attention.torch_ref import write_kv
+
+    gen = torch.Generator().manual_seed(tokens)
+    kv_heads, head_dim, block, layers = 3, 64, 16, 4
+    blocks = -(-tokens // block) + 3
+    qkv = torch.randn(tokens, (9 + 2 * kv_heads) * head_dim, generator=gen)
+    k = qkv[:, 9 * head_dim : (9 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (9 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(blocks * block, generator=gen)[:tokens]
+    ours = KVCache.allocate(blocks, layers, block, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    theirs = KVCache.allocate(blocks, layers, block, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    for cache in (ours, theirs):
+        cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=torch.Generator().manual_seed(0)))
+    backend = CpuAttention(num_threads=2)
+    assert cpu_attention._rows_copy(k, v, ours.layer(2)[0], slots)
+    backend._write_kv(k, v, ours, 2, slots)
+    write_kv(k, v, theirs, 2, slots)
+    assert torch.equal(ours.tensor, theirs.tensor)
+
+
+def test_kv_writes_it_does_not_take_go_through_torch() -> None:
+    from siesta.attention.base import KVCache
+
+    cache = KVCache.allocate(2, 1, 4, 2, 8, torch.float32, torch.device("cpu"))
+    k = torch.randn(3, 2, 8)
+    slots = torch.tensor([5, 0, 2])
+    assert not cpu_attention._rows_copy(k.double(), k.double(), cache.layer(0)[0], slots)
+    assert not cpu_attention._rows_copy(k, k, cache.layer(0)[0], slots.int())
+    assert not cpu_attention._rows_copy(k.transpose(1, 2).contiguous().transpose(1, 2), k, cache.layer(0)[0], slots)
+    CpuAttention(num_threads=1)._write_kv(k, k * 2, cache, 0, slots.int())  # through torch's assignment
+    assert torch.equal(cache.layer(0)[0][1, 1], k[0]) and torch.equal(cache.layer(0)[1][0, 2], 2 * k[2])

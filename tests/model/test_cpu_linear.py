@@ -1,4 +1,5 @@
-"""The CPU linears (the few-row kernel, oneDNN past it) against F.linear, and where they decline to serve."""
+"""The CPU linears (the few-row kernel, then oneDNN or MKL past it) against F.linear, where they
+decline to serve, and which library serves past the kernel."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ import torch.nn.functional as F
 
 from siesta.model import cpu_linear
 from siesta.model.layers import linear
+
+
+@pytest.fixture
+def library():
+    """Sets this process's CPU matmul for one test, then puts the engine's choice back."""
+    before = cpu_linear.library()
+    yield cpu_linear.set_library
+    cpu_linear.set_library(before)
 
 
 def _case(rows: int, n: int, k: int, bias: bool, seed: int = 0):
@@ -52,9 +61,10 @@ def test_strided_rows_and_any_thread_count_give_the_same_bits() -> None:
 @pytest.mark.parametrize("rows,n,k,bias", [(cpu_linear.MAX_ROWS + 1, 16, 16, True), (300, 963, 576, True),
                                            (2048, 576, 1536, False)])  # fmt: skip
 @torch.inference_mode()
-def test_onednn_serves_more_rows_and_matches_f_linear(rows: int, n: int, k: int, bias: bool) -> None:
+def test_onednn_serves_more_rows_and_matches_f_linear(rows: int, n: int, k: int, bias: bool, library) -> None:
     if cpu_linear.onednn_matmul() is None:
         pytest.skip("this torch build has no oneDNN")
+    assert library("onednn") == "onednn"
     x, w, b = _case(rows, n, k, bias)
     out = cpu_linear.linear(x, w, b)
     assert out is not None
@@ -91,8 +101,10 @@ def test_layers_linear_keeps_autograd_and_matches_in_every_case() -> None:
             torch.testing.assert_close(linear(xr, w, b), F.linear(xr, w, b), rtol=1e-5, atol=1e-4)
 
 
-def test_model_linears_go_through_the_cpu_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_linears_go_through_the_cpu_paths(monkeypatch: pytest.MonkeyPatch, library) -> None:
     from siesta.model.layers import Linear
+
+    onednn = library("onednn") == "onednn"
 
     layer = Linear(24, 40, bias=True)
     calls: list[int] = []
@@ -101,6 +113,46 @@ def test_model_linears_go_through_the_cpu_paths(monkeypatch: pytest.MonkeyPatch)
     with torch.inference_mode():
         for rows in (1, cpu_linear.MAX_ROWS + 4):
             x = _case(rows, 40, 24, False, seed=rows)[0]
-            assert kernel(x, layer.weight, layer.bias) is not None
+            assert (kernel(x, layer.weight, layer.bias) is not None) == (rows <= cpu_linear.MAX_ROWS or onednn)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
     assert calls == [1, cpu_linear.MAX_ROWS + 4]  # every CPU call is offered to cpu_linear
+
+
+@pytest.mark.parametrize("vendor,chosen", [("AuthenticAMD", "onednn"), ("GenuineIntel", "mkl"), ("", "mkl")])
+def test_auto_takes_onednn_on_amd_and_mkl_elsewhere(vendor: str, chosen: str) -> None:
+    if chosen == "onednn" and cpu_linear.onednn_matmul() is None:
+        chosen = "mkl"  # a torch build without oneDNN multiplies with F.linear
+    assert cpu_linear.resolve_library("auto", vendor) == chosen
+    assert cpu_linear.resolve_library("mkl", "AuthenticAMD") == "mkl"  # a setting beats the vendor rule
+    with pytest.raises(ValueError, match="blas"):
+        cpu_linear.resolve_library("blas")
+
+
+@torch.inference_mode()
+def test_mkl_leaves_more_rows_to_f_linear_and_keeps_the_kernel_for_a_few(library) -> None:
+    assert library("mkl") == "mkl"
+    x, w, b = _case(cpu_linear.MAX_ROWS + 1, 64, 32, True)
+    assert cpu_linear.linear(x, w, b) is None  # layers.linear then calls F.linear: MKL
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    few = cpu_linear.linear(x[:2], w, b)
+    assert few is not None
+    torch.testing.assert_close(few, F.linear(x[:2], w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("matmul", ["mkl", "onednn"])
+def test_a_cpu_engine_multiplies_with_the_configured_library(matmul: str, library) -> None:
+    from siesta.config import CpuConfig, EngineConfig
+    from siesta.core.engine_core import EngineCore
+
+    config = EngineConfig.from_flags(model="random:tiny-llama", device="cpu")
+    config.cpu = CpuConfig(matmul=matmul)
+    EngineCore(config)
+    expected = matmul if cpu_linear.onednn_matmul() is not None else "mkl"
+    assert cpu_linear.library() == expected
+
+
+def test_the_cpu_matmul_setting_is_validated_by_name() -> None:
+    from siesta.config import ConfigError, CpuConfig, EngineConfig
+
+    with pytest.raises(ConfigError, match="cpu.matmul must be one of auto, mkl, onednn, got 'blas'"):
+        EngineConfig(cpu=CpuConfig(matmul="blas")).validate(max_model_len=128)
