@@ -101,7 +101,10 @@ class HostBackup:
     def settle(self) -> None:
         """Let background work finish, without making the memory if nobody started it."""
         if self._thread is not None:
-            self._thread.join()
+            # The thread holds the backup while it runs, so its end may drop the last reference
+            # and run the finalizer (close) in the thread itself, whose work is then done.
+            if self._thread is not threading.current_thread():
+                self._thread.join()
             self._thread = None
 
     def stop(self) -> None:
@@ -188,8 +191,10 @@ class HostBackup:
 
     def close(self) -> None:
         """Unpin and free the memory (after any copy into or out of it has completed)."""
-        self.stop()
-        self._release()
+        try:
+            self.stop()
+        finally:
+            self._release()  # memory freed while still registered would stay mapped for the device
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter exit the runtime may already be gone

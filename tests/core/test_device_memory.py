@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import weakref
 import time
 
 import pytest
@@ -135,6 +136,23 @@ def test_closing_a_backup_mid_pinning_stops_at_the_next_chunk_and_unpins_what_it
     assert fake.unpinned == [fake.pinned[0][0]]
     with pytest.raises(RuntimeError, match="closed"):
         backup.wait()
+
+
+def test_a_backup_dropped_while_it_pins_unpins_everything_before_its_memory_is_freed() -> None:
+    """Dropped by its engine mid-pinning, the backup lives on in its thread, whose end is then
+    the last reference: the finalizer runs in that thread. It once tried to join itself there,
+    failed quietly, and freed memory still registered with CUDA (the next engine's allocations
+    on the H200 then failed with 'resource already mapped')."""
+    fake = FakePinner(gate=threading.Event())
+    backup = HostBackup(16 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB)
+    thread, finalized = backup._thread, threading.Event()
+    weakref.finalize(backup, finalized.set)
+    del backup
+    fake.gate.set()
+    thread.join(timeout=10)
+    assert finalized.wait(timeout=10), "the backup outlived its thread"
+    assert len(fake.pinned) == 4
+    assert sorted(fake.unpinned) == sorted(a for a, _ in fake.pinned)
 
 
 # Pins 40 chunks at 50 ms each, and exits while the thread is inside a pin.
