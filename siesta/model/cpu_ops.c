@@ -2,8 +2,10 @@
  *
  * torch runs RMSNorm as five ops (pow, mean, add, rsqrt, two products), rotary as seven (two
  * gathers, a concatenation, a negation, products and a sum) and SiLU-and-multiply as two,
- * each writing a new tensor that the next one reads: at a 2,000-token SmolLM2 prefill they
- * took 4.5 ms a layer on the 2-core Intel Xeon, these kernels 1.3 ms.
+ * each writing a new tensor that the next one reads. At a 2,000-token SmolLM2 prefill on the
+ * 2-core Intel Xeon (best of 30): add + RMSNorm 0.95 ms against 0.38, rotary of q and k 2.0
+ * against 0.40, SiLU-and-multiply 1.5 against 1.2 (bound by its 37 MB of traffic); a layer's
+ * 5.4 ms against 2.4.
  *
  * Built with -ffp-contract=off and without -fassociative-math (cpu_ops.py): no product is
  * fused into a sum and none is regrouped, so rotary and the products round as torch's do, bit
@@ -101,7 +103,7 @@ void silu_and_mul(const float *gate_up, int64_t stride, int64_t rows, int64_t di
 #pragma omp simd
         for (int64_t j = 0; j < dim; j++) {
             const float e = exp_neg(-fabsf(g[j]));
-            const float sig = g[j] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+            const float sig = (g[j] >= 0.0f ? 1.0f : e) / (1.0f + e);
             o[j] = g[j] * sig * u[j];
         }
     }
