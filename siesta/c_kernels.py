@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 CFLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
           "-fno-math-errno", "-fopenmp", "-fPIC", "-shared")  # fmt: skip
 KERNEL_SUBDIR = "kernels"
+# Headers every source may include, built beside it and part of its cache key.
+HEADERS = (Path(__file__).with_name("exp_nonpositive.h"),)
 
 
 def build(name: str, source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL | None:
@@ -38,7 +40,9 @@ def build(name: str, source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.C
     if cc is None:
         logger.warning("no C compiler found: the CPU runs %s's work through torch (slower)", name)
         return None
-    key = hashlib.sha256(source + " ".join(flags).encode() + cpu_model().encode()).hexdigest()[:16]
+    headers = {h.name: h.read_bytes() for h in HEADERS}
+    key_parts = [source, " ".join(flags).encode(), cpu_model().encode(), *headers.values()]
+    key = hashlib.sha256(b"".join(key_parts)).hexdigest()[:16]
     cache = cache_dir() / KERNEL_SUBDIR
     path = cache / f"{name}-{platform.machine()}-{key}.so"
     if not path.exists():
@@ -47,6 +51,8 @@ def build(name: str, source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.C
             built = Path(tmp) / path.name
             src = Path(tmp) / f"{name}.c"
             src.write_bytes(source)
+            for header, text in headers.items():
+                (Path(tmp) / header).write_bytes(text)
             try:
                 result = subprocess.run([cc, *flags, str(src), "-o", str(built), "-lm"], capture_output=True, text=True)
             except OSError as e:

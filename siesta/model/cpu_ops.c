@@ -9,36 +9,12 @@
  *
  * Built with -ffp-contract=off and without -fassociative-math (cpu_ops.py): no product is
  * fused into a sum and none is regrouped, so rotary and the products round as torch's do, bit
- * for bit; RMSNorm differs only in its sum's order and SiLU in its exp (exp_neg, within 2
+ * for bit; RMSNorm differs only in its sum's order and SiLU in its exp (exp_nonpositive, within 2
  * ulp). Rows are split over OpenMP threads. */
 #include <math.h>
 #include <stdint.h>
 
-/* exp(x) for x <= 0, as in siesta/attention/cpu_decode.c (which explains it): plain
- * arithmetic, so the loops that call it vectorize. */
-#define EXP_LOG2E 1.44269504088896341f
-#define EXP_LN2_HI 0.693359375f
-#define EXP_LN2_LO -2.12194440054690583e-4f
-#define EXP_MIN -87.33654475f
-#define FLOAT_EXP_BIAS 127
-#define FLOAT_MANT_BITS 23
-
-static inline float exp_neg(float x)
-{
-    const float c = x > EXP_MIN ? x : EXP_MIN;
-    const float n = rintf(c * EXP_LOG2E);
-    const float r = fmaf(-n, EXP_LN2_LO, fmaf(-n, EXP_LN2_HI, c));
-    float p = 1.0f / 5040;
-    p = p * r + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const union { int32_t i; float f; } two_n = {.i = ((int32_t)n + FLOAT_EXP_BIAS) << FLOAT_MANT_BITS};
-    return x > EXP_MIN ? p * two_n.f : 0.0f;
-}
+#include "exp_nonpositive.h"
 
 /* out[i] = weight * (x[i] / sqrt(mean(x[i]^2) + eps)) for rows of `dim`; with `residual`,
  * x[i] + residual[i] is normalised and also written to `total`. */
@@ -102,7 +78,7 @@ void silu_and_mul(const float *gate_up, int64_t stride, int64_t rows, int64_t di
         float *o = out + i * dim;
 #pragma omp simd
         for (int64_t j = 0; j < dim; j++) {
-            const float e = exp_neg(-fabsf(g[j]));
+            const float e = exp_nonpositive(-fabsf(g[j]));
             const float sig = (g[j] >= 0.0f ? 1.0f : e) / (1.0f + e);
             o[j] = g[j] * sig * u[j];
         }
