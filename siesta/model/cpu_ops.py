@@ -63,7 +63,9 @@ def rms_norm(
     lib = load_ops()
     if lib is None or not _serves(*tensors) or not all(_rows(t) for t in [x] + tensors[2:]):
         return None
-    if not weight.is_contiguous() or weight.shape != x.shape[1:] or (residual is not None and residual.shape != x.shape):
+    if not weight.is_contiguous() or weight.shape != x.shape[1:]:
+        return None
+    if residual is not None and residual.shape != x.shape:
         return None
     rows, dim = x.shape
     out = torch.empty((rows, dim), dtype=x.dtype)
@@ -73,21 +75,32 @@ def rms_norm(
     return out, total
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """``x`` [tokens, heads, head_dim] rotated by ``positions``' rows of the tables, or None."""
+def rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``q`` and ``k`` [tokens, heads, head_dim] rotated by ``positions``' rows of the tables, or None."""
     lib = load_ops()
-    if lib is None or not _serves(x, cos, sin) or x.dim() != 3 or x.stride(2) != 1:
+    if lib is None or not _serves(q, k, cos, sin) or not all(_heads(t, q.shape[0], cos) for t in (q, k)):
         return None
-    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != x.shape[:1]:
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.shape != q.shape[:1]:
         return None
-    if not (cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape and cos.shape[1] == x.shape[2]):
+    if not (cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape):
         return None
-    if x.shape[2] % 2 or (len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]):
+    if len(positions) and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
         return None  # torch's indexing then raises for a position past the tables
-    out = torch.empty(x.shape, dtype=x.dtype)
-    lib.rope(_ptr(x), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2], _ptr(positions, _I64P),
-             _ptr(cos), _ptr(sin), _ptr(out))  # fmt: skip
-    return out
+    outs = []
+    for x in (q, k):
+        out = torch.empty(x.shape, dtype=x.dtype)
+        lib.rope(_ptr(x), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2], _ptr(positions, _I64P),
+                 _ptr(cos), _ptr(sin), _ptr(out))  # fmt: skip
+        outs.append(out)
+    return outs[0], outs[1]
+
+
+def _heads(x: torch.Tensor, tokens: int, table: torch.Tensor) -> bool:
+    """[tokens, heads, head_dim] with contiguous heads, head_dim even and the tables' width."""
+    shape_ok = x.dim() == 3 and x.shape[0] == tokens and x.shape[2] % 2 == 0 and table.shape[1] == x.shape[2]
+    return shape_ok and x.stride(2) == 1
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:

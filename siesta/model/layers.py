@@ -98,9 +98,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if q.is_cuda:
             return _triton_ops().apply_rope(q, k, positions, self.cos, self.sin)
-        rq, rk = (_cpu_ops().rope(t, positions, self.cos, self.sin) for t in (q, k))
-        if rq is not None and rk is not None:
-            return rq, rk
+        fused = _cpu_ops().rope(q, k, positions, self.cos, self.sin)
+        if fused is not None:
+            return fused
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -88,7 +88,7 @@ def test_rotary_matches_torch_bit_for_bit_on_the_fused_projections_views(
 def test_rotary_past_its_tables_is_left_to_torch_which_raises() -> None:
     rotary = RotaryEmbedding(64, 16, ROPE)
     q, k = torch.randn(2, 9, 64), torch.randn(2, 3, 64)
-    assert cpu_ops.rope(q, torch.tensor([3, 16]), rotary.cos, rotary.sin) is None
+    assert cpu_ops.rope(q, k, torch.tensor([3, 16]), rotary.cos, rotary.sin) is None
     with pytest.raises(IndexError):
         rotary(torch.tensor([3, 16]), q, k)
 
