@@ -146,6 +146,7 @@ def test_a_cpu_engine_multiplies_with_the_configured_library(matmul: str, librar
 
     config = EngineConfig.from_flags(model="random:tiny-llama", device="cpu")
     config.cpu = CpuConfig(matmul=matmul)
+    library("onednn" if matmul == "mkl" else "mkl")  # the other one: the engine must change it
     EngineCore(config)
     expected = matmul if cpu_linear.onednn_matmul() is not None else "mkl"
     assert cpu_linear.library() == expected
