@@ -75,6 +75,11 @@ class CacheConfig:
     # On CPU there is no device to fill; this many bytes are used unless kv_cache_bytes says otherwise.
     cpu_kv_cache_bytes: int = 4 << 30  # what vLLM's CPU backend takes by default; committed only as used
     enable_prefix_caching: bool = True
+    # On CPU: write every page of the pool at start-up, as vLLM's zeroed cache is, instead of as
+    # blocks are first used. On a VM whose host backs memory lazily, a first touch costs about
+    # 4 s a GB, and a fresh engine pays it inside its steps until the pool has gone round once.
+    # Off by default: the pool then holds only what it stores. A sleep gives the pages back.
+    prefault_kv_cache: bool = False
 
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -287,6 +292,7 @@ class EngineConfig:
         kv_cache_bytes: int | None = None,
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
+        prefault_kv_cache: bool = False,
         seed: int = 0,
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int = 256,
@@ -309,6 +315,7 @@ class EngineConfig:
                 kv_cache_bytes=kv_cache_bytes,
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
+                prefault_kv_cache=prefault_kv_cache,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -215,10 +215,15 @@ class ModelRunner:
         if self.use_arenas:
             self.kv_arena = VirtualArena(num_blocks * block_bytes, self.device)
             storage = self.kv_arena.tensor
-        return KVCache.allocate(
+        t0 = time.perf_counter()
+        prefault = self.config.cache.prefault_kv_cache and storage is None and self.device.type == "cpu"
+        cache = KVCache.allocate(
             num_blocks, shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype, self.device,
-            storage=storage,
+            storage=storage, prefault=prefault,
         )
+        if prefault:
+            logger.info("KV cache pages written at start-up in %.1f s", time.perf_counter() - t0)
+        return cache
 
     def sleepable_memory(self) -> SleepableMemory | ArenaMemory:
         # Built after the start-up capture, so the backup's background pinning never meets it.

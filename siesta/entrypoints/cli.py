@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp = bench_sub.add_parser("throughput", help="offline throughput vs transformers' generate")
     throughput.add_arguments(tp)
     add_engine_args(tp)
-    tp.set_defaults(func=throughput.run)
+    tp.set_defaults(func=throughput.run, **throughput.ENGINE_DEFAULTS)
 
     from siesta.bench import resume, resume_offline
     from siesta.bench import serve as serve_bench

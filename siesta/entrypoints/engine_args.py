@@ -15,6 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-bytes", type=byte_size, default=None, help="bytes, or with units: 4G, 512MiB")
+    p.add_argument("--prefault-kv-cache", action=argparse.BooleanOptionalAction, default=False,
+                   help="CPU: write the whole KV pool at start-up, not as blocks are first used")
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of the GPU to fill (default 0.9)")
     add_vllm_flags(p)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS)
@@ -37,7 +39,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     check_vllm_flags(args)
     keys = ["model", "tokenizer", "dtype", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization",
-            "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
+            "enable_prefix_caching", "prefault_kv_cache", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
             "async_scheduling", "max_waiting_requests", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend",
             "tensor_parallel_size"]  # fmt: skip
     return {k: getattr(args, k) for k in keys}

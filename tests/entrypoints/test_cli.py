@@ -48,6 +48,13 @@ def test_vllms_other_flags_are_taken():
     assert args.uvicorn_log_level == "warning"
 
 
+def test_the_kv_pool_is_written_at_start_up_when_asked_and_by_the_throughput_bench():
+    assert not _config(["serve"]).cache.prefault_kv_cache
+    assert _config(["serve", "--prefault-kv-cache"]).cache.prefault_kv_cache
+    assert _config(["bench", "throughput"]).cache.prefault_kv_cache
+    assert not _config(["bench", "throughput", "--no-prefault-kv-cache"]).cache.prefault_kv_cache
+
+
 @pytest.mark.parametrize(("size", "expected"), [("4294967296", 1 << 32), ("1G", 1 << 30), ("512MiB", 512 << 20),
                                                ("1.5GB", 1_500_000_000), ("64k", 64 << 10)])  # fmt: skip
 def test_sizes_take_units(size, expected):
