@@ -49,7 +49,8 @@ class LLM:
         self.config = EngineConfig.from_flags(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
             kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, prefault_kv_cache=prefault_kv_cache, seed=seed, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, prefault_kv_cache=prefault_kv_cache, seed=seed,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill, async_scheduling=async_scheduling,
             max_waiting_requests=max_waiting_requests,
             kv_transfer_config=kv_transfer_config, weight_transfer_config=weight_transfer_config,

@@ -3,13 +3,12 @@ unset since a wake: which a step must zero first."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from siesta.attention.base import KVCache
+from memory import resident_bytes
 
 
 def _cache(num_blocks: int = 6) -> KVCache:
@@ -33,20 +32,6 @@ def test_blocks_are_claimed_once_and_loaded_ones_never():
     assert kv.unset is None, "all claimed: the next steps skip the check"
 
 
-def _resident_bytes(address: int) -> int:
-    """The resident bytes of this process's mapping that holds ``address`` (from /proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "Rss:":
-            return int(line.split()[1]) << 10
-    raise LookupError(f"no mapping holds {address:#x}")
-
-
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
 @pytest.mark.parametrize("prefault", [False, True])
 def test_the_pool_commits_pages_as_written_or_all_at_start_up(prefault):
     blocks, block_bytes = 128, 1 << 18  # 32 MiB in all
@@ -54,11 +39,11 @@ def test_the_pool_commits_pages_as_written_or_all_at_start_up(prefault):
                           device=torch.device("cpu"), prefault=prefault)  # fmt: skip
     assert kv.block_bytes == block_bytes
     total = blocks * block_bytes
-    resident = _resident_bytes(kv.tensor.data_ptr())
+    resident = resident_bytes(kv.tensor.data_ptr())
     if prefault:
         assert resident == total
+        assert not kv.tensor.any(), "committed, and still a zeroed cache"
     else:
         assert resident < total // 8, "nothing written yet: the pool holds (almost) nothing"
         kv.tensor[: blocks // 2].fill_(1.0)
-        assert _resident_bytes(kv.tensor.data_ptr()) >= total // 2
-    assert not kv.tensor.any() if prefault else kv.tensor[blocks // 2 :].eq(0).all()
+        assert resident_bytes(kv.tensor.data_ptr()) >= total // 2
