@@ -56,11 +56,17 @@ class TorchAttention:
         decode_rows = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
         if decode_rows:
             self._decode(q, kv_cache, layer_idx, meta, scale, decode_rows, out)
-        for i in range(meta.num_reqs):
-            s, e = starts[i], starts[i + 1]
-            if e - s > 1:
-                out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], kv_cache, layer_idx, meta, i, scale)
+        prefill_rows = [i for i in range(meta.num_reqs) if starts[i + 1] - starts[i] > 1]
+        if prefill_rows:
+            self._prefill_rows(q, k, v, kv_cache, layer_idx, meta, scale, prefill_rows, out)
         return out
+
+    def _prefill_rows(self, q, k, v, kv_cache, layer_idx, meta, scale, rows: list[int], out: torch.Tensor) -> None:
+        """Requests ``rows`` (each with more than one new token), one at a time."""
+        starts = meta.query_start_loc_cpu
+        for i in rows:
+            s, e = starts[i], starts[i + 1]
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], kv_cache, layer_idx, meta, i, scale)
 
     def _write_kv(self, k, v, kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor) -> None:
         write_kv(k, v, kv_cache, layer_idx, slot_mapping)
