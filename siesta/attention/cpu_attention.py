@@ -6,7 +6,7 @@ row's blocks into a new tensor before SDPA reads them (``torch_ref``); the kerne
 ``cpu_decode.c`` walks the block tables instead and reads every byte once. Its rows are
 split over a few Python threads (ctypes releases the GIL).
 A prompt chunk is bound by compute: ``cpu_prefill.c`` attends every chunk of a step in one
-call, in register tiles, at 1.6-2.2x torch's flash SDPA (``python -m
+call, in register tiles, at 1.3-2.3x torch's flash SDPA (``python -m
 siesta.bench.cpu_prefill``), its tasks split with OpenMP.
 Both are built on first use (``siesta/c_kernels.py``). Without a compiler, or for shapes
 and dtypes they do not take, the torch path serves.
