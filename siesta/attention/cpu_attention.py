@@ -4,7 +4,9 @@ compiled kernels.
 Decode on the CPU is bound by reading the paged K/V. The torch path gathers each
 row's blocks into a new tensor before SDPA reads them (``torch_ref``); the kernel in
 ``cpu_decode.c`` walks the block tables instead and reads every byte once. Its rows are
-split over a few Python threads (ctypes releases the GIL).
+split into ranges of about equal context, one for each of torch's OpenMP threads: Python
+threads would share the cores with that team, which spins a while after every matmul
+(this halved decode attention's time inside the engine).
 A prompt chunk is bound by compute: ``cpu_prefill.c`` attends every chunk of a step in one
 call, in register tiles, at 1.3-2.3x torch's flash SDPA (``python -m
 siesta.bench.cpu_prefill``), its tasks split with OpenMP.
@@ -44,6 +46,7 @@ _ARGTYPES = [
     ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,  # kv heads, group, head_dim, block, scale
     _F32P, _I64, _I64,  # out, its token and head strides
 ]  # fmt: skip
+_PARTS_ARGTYPES = _ARGTYPES[:13] + [_I64P, ctypes.c_int] + _ARGTYPES[15:]  # the row range: bounds, parts
 _LINEAR_ARGTYPES = [
     _F32P, _I64, ctypes.c_int,  # x, its row stride, rows
     _F32P, _I64, _F32P,  # weight [N, K], K, bias (or None)
@@ -78,7 +81,10 @@ def build_kernel(source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL 
         return None
     lib.paged_decode.argtypes = _ARGTYPES
     lib.paged_decode.restype = None
-    if hasattr(lib, "write_kv_rows"):  # past builds (the benchmark's baseline) lack these
+    if hasattr(lib, "paged_decode_parts"):  # past builds (the benchmark's baseline) lack these
+        lib.paged_decode_parts.argtypes = _PARTS_ARGTYPES
+        lib.paged_decode_parts.restype = None
+    if hasattr(lib, "write_kv_rows"):
         lib.write_kv_rows.argtypes = _WRITE_KV_ARGTYPES
         lib.write_kv_rows.restype = None
     if hasattr(lib, "linear_rows"):
@@ -107,7 +113,7 @@ class CpuAttention(TorchAttention):
     def __init__(self, num_threads: int | None = None, kernel: ctypes.CDLL | None = None) -> None:
         self.num_threads = num_threads or torch.get_num_threads()
         self.kernel = kernel  # None: load_kernel()'s (a benchmark passes another build)
-        self._pool = ThreadPoolExecutor(max_workers=self.num_threads - 1) if self.num_threads > 1 else None
+        self._pool: ThreadPoolExecutor | None = None  # only for past builds without paged_decode_parts
         self._step: tuple | None = None  # ((meta, rows), arrays) of the step the layers are in
         self._prefill_step: tuple | None = None  # the same, of the step's prompt chunks
 
@@ -118,23 +124,28 @@ class CpuAttention(TorchAttention):
         if lib is None or not self._takes(q, k_cache, out):
             super()._decode(q, kv_cache, layer_idx, meta, scale, rows, out)
             return
-        row_req, row_token, row_len, tables, bounds = self._rows(meta, rows)
-        group = q.shape[1] // k_cache.shape[2]
-
-        def run(begin: int, end: int) -> None:
-            lib.paged_decode(
-                _ptr(q, _F32P), q.stride(0), q.stride(1),
-                _ptr(k_cache, _F32P), _ptr(v_cache, _F32P), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                _ptr(tables, _I32P), tables.stride(0),
-                _ptr(row_req, _I64P), _ptr(row_token, _I64P), _ptr(row_len, _I64P), begin, end,
-                k_cache.shape[2], group, q.shape[2], k_cache.shape[1], scale,
-                _ptr(out, _F32P), out.stride(0), out.stride(1),
-            )  # fmt: skip
-
-        futures = [self._pool.submit(run, a, b) for a, b in zip(bounds[1:-1], bounds[2:])] if self._pool else []
-        run(bounds[0], bounds[1])
+        row_req, row_token, row_len, tables, bounds, bounds_t = self._rows(meta, rows)
+        head = (
+            _ptr(q, _F32P), q.stride(0), q.stride(1),
+            _ptr(k_cache, _F32P), _ptr(v_cache, _F32P), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            _ptr(tables, _I32P), tables.stride(0), _ptr(row_req, _I64P), _ptr(row_token, _I64P), _ptr(row_len, _I64P),
+        )  # fmt: skip
+        tail = (k_cache.shape[2], q.shape[1] // k_cache.shape[2], q.shape[2], k_cache.shape[1], scale,
+                _ptr(out, _F32P), out.stride(0), out.stride(1))  # fmt: skip
+        if hasattr(lib, "paged_decode_parts"):
+            lib.paged_decode_parts(*head, _ptr(bounds_t, _I64P), len(bounds) - 1, *tail)
+            return
+        # A past build (the benchmark's baseline): its row ranges go to Python threads.
+        pool = self._threads()
+        futures = [pool.submit(lib.paged_decode, *head, a, b, *tail) for a, b in zip(bounds[1:-1], bounds[2:])]
+        lib.paged_decode(*head, bounds[0], bounds[1], *tail)
         for f in futures:
             f.result()
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=max(self.num_threads - 1, 1))
+        return self._pool
 
     def _prefill_rows(self, q, k, v, kv_cache, layer_idx, meta, scale, rows: list[int], out: torch.Tensor) -> None:
         k_cache, v_cache = kv_cache.layer(layer_idx)
@@ -187,12 +198,14 @@ class CpuAttention(TorchAttention):
         if self._step is None or self._step[0][0] is not meta or self._step[0][1] != key[1]:
             lens = [meta.seq_lens_cpu[i] for i in rows]
             tables = _contiguous_tables(meta)
+            bounds = _balanced_bounds(lens, self.num_threads)
             arrays = (
                 torch.tensor(rows, dtype=torch.int64),
                 torch.tensor([meta.query_start_loc_cpu[i] for i in rows], dtype=torch.int64),
                 torch.tensor(lens, dtype=torch.int64),
                 tables,
-                _balanced_bounds(lens, self.num_threads),
+                bounds,
+                torch.tensor(bounds, dtype=torch.int64),
             )
             self._step = (key, arrays)
         return self._step[1]

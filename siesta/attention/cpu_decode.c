@@ -176,6 +176,26 @@ void paged_decode(
     }
 }
 
+/* paged_decode over `parts` ranges of rows, [bounds[i], bounds[i + 1]), one an OpenMP thread.
+ * The threads are torch's own (the loader reuses its libgomp): the team that ran the last
+ * matmul is still spinning for work, so Python threads would have to share the cores with it. */
+void paged_decode_parts(
+    const float *q, int64_t q_token_stride, int64_t q_head_stride,
+    const float *k_cache, const float *v_cache,
+    int64_t block_stride, int64_t slot_stride, int64_t head_stride,
+    const int32_t *block_tables, int64_t table_stride,
+    const int64_t *row_req, const int64_t *row_token, const int64_t *row_len,
+    const int64_t *bounds, int parts,
+    int kv_heads, int group, int head_dim, int block_size, float scale,
+    float *out, int64_t out_token_stride, int64_t out_head_stride)
+{
+#pragma omp parallel for schedule(static, 1) num_threads(parts)
+    for (int i = 0; i < parts; i++)
+        paged_decode(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride,
+                     block_tables, table_stride, row_req, row_token, row_len, bounds[i], bounds[i + 1], kv_heads,
+                     group, head_dim, block_size, scale, out, out_token_stride, out_head_stride);
+}
+
 /* y[i] = W x[i] (+ bias) for a few rows x (a decode step's tokens), output features
  * [n_begin, n_end) of W [N, K] (row-major, as nn.Linear keeps it).
  *

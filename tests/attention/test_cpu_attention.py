@@ -51,6 +51,22 @@ def test_kernel_matches_dense_attention(group: int, head_dim: int, block: int, t
     torch.testing.assert_close(out, dense_decode(q, cache, meta, head_dim**-0.5), rtol=1e-5, atol=1e-5)
 
 
+class _PastBuild:
+    """A build from before ``paged_decode_parts`` (the benchmark's baseline): only the row-range call."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.paged_decode = lib.paged_decode
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_past_build_splits_rows_over_python_threads(threads: int) -> None:
+    q, cache, meta = decode_batch([40, 3, 77, 16, 1, 25], seed=threads, group=3, head_dim=64, block=16)
+    backend = CpuAttention(num_threads=threads, kernel=_PastBuild(load_kernel()))
+    out = _run(backend, q, cache, meta)
+    torch.testing.assert_close(out, dense_decode(q, cache, meta, 64**-0.5), rtol=1e-5, atol=1e-5)
+    assert backend._pool is not None  # the Python threads served it
+
+
 def test_kernel_takes_a_large_group() -> None:
     """Past the old cap of 16 query heads per KV head: the kernel keeps state per query head."""
     q, cache, meta = decode_batch([33, 5, 64, 17], seed=5, group=32, head_dim=64, block=16)
