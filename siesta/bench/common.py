@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from siesta.cpu_info import cpu_model
 
 # Token ids below this are left out of random prompts: they are the special tokens of most vocabularies.
 _FIRST_ORDINARY_TOKEN = 100
@@ -20,6 +25,12 @@ def random_prompts(num: int, min_len: int, max_len: int, vocab_size: int, seed: 
         [rng.randrange(_FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(rng.randint(min_len, max_len))]
         for _ in range(num)
     ]
+
+
+def machine() -> dict[str, Any]:
+    """What a result was measured on: figures from two VMs of one size differ by 2x."""
+    return {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__}  # fmt: skip
 
 
 def percentile(values: Sequence[float], q: float) -> float:

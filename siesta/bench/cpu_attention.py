@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.cpu_attention import CpuAttention, build_kernel, load_kernel
 from siesta.attention.torch_ref import TorchAttention
-from siesta.bench.common import print_table, write_json
+from siesta.bench.common import machine, print_table, write_json
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, LAYERS = 9, 3, 64, 16, 30
 ROWS, MIN_CONTEXT, MAX_CONTEXT = 64, 600, 1100
@@ -141,7 +141,7 @@ def run(rounds: int, baseline: str = DEFAULT_BASELINE) -> dict[str, Any]:
     ms = {key: statistics.median(t) / MS for key, t in times.items()}
     err = max((outs[name] - outs["torch"]).abs().max().item() for name in arms)
     return {
-        "baseline": baseline, "rows": ROWS, "context": [MIN_CONTEXT, MAX_CONTEXT], "layers": LAYERS, "rounds": rounds,
+        "machine": machine(), "baseline": baseline, "rows": ROWS, "context": [MIN_CONTEXT, MAX_CONTEXT], "layers": LAYERS, "rounds": rounds,
         "kv_mb_per_layer": kv_bytes / 1e6, "read_gbps": statistics.median(read_gbps), "max_abs_diff_vs_torch": err,
         "arms": {name: {"ms_per_layer": ms[name, False], "gbps": kv_bytes / (ms[name, False] * MS) / GIGA,
                         "x_vs_torch": ms["torch", False] / ms[name, False],

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from siesta.bench.common import print_table, write_json
+from siesta.bench.common import machine, print_table, write_json
 from siesta.model import cpu_linear
 
 # (name, out_features, in_features) of SmolLM2-135M.
@@ -72,7 +72,7 @@ def main() -> None:
              r.get("onednn_gflops", float("nan")) / r["mkl_gflops"]] for r in results]  # fmt: skip
     print_table(f"CPU linears, fp32, {torch.get_num_threads()} threads (GFLOP/s, best of {args.repeats})",
                 ["matrix", "rows", "mkl", "onednn", "rows kernel", "onednn / mkl"], rows)  # fmt: skip
-    write_json(args.json, {"threads": torch.get_num_threads(), "repeats": args.repeats, "results": results})
+    write_json(args.json, {"machine": machine(), "threads": torch.get_num_threads(), "repeats": args.repeats, "results": results})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.cpu_attention import CpuAttention, load_prefill_kernel
 from siesta.attention.torch_ref import TorchAttention
-from siesta.bench.common import print_table, write_json
+from siesta.bench.common import machine, print_table, write_json
 
 BLOCK_SIZE = 16
 SEED = 0
@@ -133,7 +133,7 @@ def time_case(case: Case, rounds: int) -> dict[str, Any]:
 def run(rounds: int) -> dict[str, Any]:
     if load_prefill_kernel() is None:
         raise SystemExit("the prefill kernel did not build (see the log): nothing to compare")
-    return {"rounds": rounds, "threads": torch.get_num_threads(),
+    return {"machine": machine(), "rounds": rounds, "threads": torch.get_num_threads(),
             "cases": {case.name: time_case(case, rounds) for case in CASES}}  # fmt: skip
 
 

@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from siesta.bench.common import print_table, random_prompts, write_json
+from siesta.bench.common import machine, print_table, random_prompts, write_json
+from siesta.cpu_info import cpu_model
 from siesta.sampling import SamplingParams
 
 PREEMPTIONS = "siesta_num_preemptions_total"
@@ -232,12 +233,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start_s = time.perf_counter() - t0
     vocab = llm.engine.vocab_size
     source, dtype, device = llm.engine.source, llm.engine.runner.dtype, llm.engine.runner.device
-    print(f"dtype {dtype}, device {device}, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats; "
+    print(f"{cpu_model()}: dtype {dtype}, device {device}, {torch.get_num_threads()} threads, {args.repeats} interleaved repeats; "
           f"mixes {[dataclasses.asdict(m) for m in selected_mixes(args)]}")  # fmt: skip
     config = {k: v for k, v in vars(args).items() if not callable(v)}
     result: dict[str, Any] = {
         "config": config | {"dtype_resolved": str(dtype), "threads": torch.get_num_threads()},
         "mixes": [dataclasses.asdict(m) for m in selected_mixes(args)],
+        "machine": machine(),
         "load_average_before": _load(),
         "siesta_start_s": start_s,  # with the pool's pages written, under --prefault-kv-cache
     }

@@ -1,0 +1,26 @@
+"""Bench helpers: the machine facts every CPU result carries."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from siesta.bench.common import machine
+
+
+def _model_name_from_cpuinfo() -> str:
+    path = Path("/proc/cpuinfo")
+    lines = path.read_text().splitlines() if path.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor()
+
+
+def test_machine_names_the_cpu_and_its_threads() -> None:
+    facts = machine()
+    assert facts["cpu"] == _model_name_from_cpuinfo()
+    assert facts["logical_cpus"] == os.cpu_count()
+    assert facts["torch_threads"] == torch.get_num_threads()
+    assert facts["torch"] == torch.__version__
