@@ -114,8 +114,8 @@ class CpuAttention(TorchAttention):
         self.num_threads = num_threads or torch.get_num_threads()
         self.kernel = kernel  # None: load_kernel()'s (a benchmark passes another build)
         self._pool: ThreadPoolExecutor | None = None  # only for past builds without paged_decode_parts
-        self._step: tuple | None = None  # ((meta, rows), arrays) of the step the layers are in
-        self._prefill_step: tuple | None = None  # the same, of the step's prompt chunks
+        # Per kind ("decode", "prefill"): (meta, rows, arrays) of the step the layers are in.
+        self._steps: dict[str, tuple] = {}
 
     def _decode(self, q, kv_cache: KVCache, layer_idx: int, meta: AttentionMetadata, scale: float,
                 rows: list[int], out: torch.Tensor) -> None:  # fmt: skip
@@ -166,19 +166,27 @@ class CpuAttention(TorchAttention):
             super()._prefill_rows(q, k, v, kv_cache, layer_idx, meta, scale, rows, out)
 
     def _prefill_arrays(self, meta: AttentionMetadata, rows: list[int]):
-        """The prefill kernel's per-request arrays: built once per step, shared by every layer."""
-        key = tuple(rows)
-        if self._prefill_step is None or self._prefill_step[0] is not meta or self._prefill_step[1] != key:
+        """The prefill kernel's per-request arrays, shared by every layer of the step."""
+
+        def build():
             starts = meta.query_start_loc_cpu
-            arrays = (
+            return (
                 torch.tensor(rows, dtype=torch.int64),
                 torch.tensor([starts[i] for i in rows], dtype=torch.int64),
                 torch.tensor([starts[i + 1] - starts[i] for i in rows], dtype=torch.int64),
                 torch.tensor([meta.seq_lens_cpu[i] for i in rows], dtype=torch.int64),
                 _contiguous_tables(meta),
             )
-            self._prefill_step = (meta, key, arrays)
-        return self._prefill_step[2]
+
+        return self._per_step("prefill", meta, rows, build)
+
+    def _per_step(self, kind: str, meta: AttentionMetadata, rows: list[int], build):
+        """``build()`` once per step (a new metadata object) and set of rows."""
+        key = tuple(rows)
+        hit = self._steps.get(kind)
+        if hit is None or hit[0] is not meta or hit[1] != key:
+            hit = self._steps[kind] = (meta, key, build())
+        return hit[2]
 
     def _write_kv(self, k, v, kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor) -> None:
         k_cache, v_cache = kv_cache.layer(layer_idx)
@@ -193,22 +201,21 @@ class CpuAttention(TorchAttention):
         )  # fmt: skip
 
     def _rows(self, meta: AttentionMetadata, rows: list[int]):
-        """The kernel's per-row arrays and thread split: built once per step, shared by every layer."""
-        key = (meta, tuple(rows))
-        if self._step is None or self._step[0][0] is not meta or self._step[0][1] != key[1]:
+        """The decode kernel's per-row arrays and thread split, shared by every layer of the step."""
+
+        def build():
             lens = [meta.seq_lens_cpu[i] for i in rows]
-            tables = _contiguous_tables(meta)
             bounds = _balanced_bounds(lens, self.num_threads)
-            arrays = (
+            return (
                 torch.tensor(rows, dtype=torch.int64),
                 torch.tensor([meta.query_start_loc_cpu[i] for i in rows], dtype=torch.int64),
                 torch.tensor(lens, dtype=torch.int64),
-                tables,
+                _contiguous_tables(meta),
                 bounds,
                 torch.tensor(bounds, dtype=torch.int64),
             )
-            self._step = (key, arrays)
-        return self._step[1]
+
+        return self._per_step("decode", meta, rows, build)
 
     @staticmethod
     def _takes(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:

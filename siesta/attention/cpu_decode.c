@@ -7,8 +7,9 @@
  * block's K (and V) for all KV heads is one contiguous region, read while it is in L1;
  * the block after next is prefetched meanwhile. fp32 throughout.
  *
- * Rows [row_begin, row_end) of the arrays are done by this call; callers split the rows
- * over threads (the call holds no lock and writes only its rows' outputs). The caller
+ * Rows [row_begin, row_end) of the arrays are done by this call, which holds no lock and
+ * writes only its rows' outputs; paged_decode_parts splits a step's rows over OpenMP
+ * threads this way. The caller
  * keeps the shapes within the limits below (cpu_attention.py's _takes).
  */
 #include <math.h>
