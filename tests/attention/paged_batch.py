@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable
+
+import pytest
 import torch
 import torch.nn.functional as F
 
 from siesta.attention.base import AttentionMetadata, KVCache
 
 KV_HEADS, GROUP, HEAD_DIM, BLOCK, LAYERS, LAYER = 2, 3, 16, 4, 2, 1
+
+
+def require_kernel(load: Callable[[], object]) -> None:
+    """Skip on a GPU host without a C compiler (CPU attention is not what runs there); elsewhere
+    the kernel ``load`` returns must have built."""
+    has_compiler = any(shutil.which(cc) for cc in ("gcc", "cc"))
+    if torch.cuda.is_available() and not has_compiler:
+        pytest.skip("a GPU host without a C compiler: CPU attention is not what runs there")
+    assert load() is not None, "the CPU machines (CI's too) have a C compiler: the kernel must build"
 
 
 def decode_batch(lens: list[int], seed: int = 0, group: int = GROUP, head_dim: int = HEAD_DIM, block: int = BLOCK):
