@@ -47,11 +47,6 @@ _ARGTYPES = [
     _F32P, _I64, _I64,  # out, its token and head strides
 ]  # fmt: skip
 _PARTS_ARGTYPES = _ARGTYPES[:13] + [_I64P, ctypes.c_int] + _ARGTYPES[15:]  # the row range: bounds, parts
-_LINEAR_ARGTYPES = [
-    _F32P, _I64, ctypes.c_int,  # x, its row stride, rows
-    _F32P, _I64, _F32P,  # weight [N, K], K, bias (or None)
-    _F32P, _I64, _I64, _I64,  # y, its row stride, the output features [begin, end) of this call
-]  # fmt: skip
 _WRITE_KV_ARGTYPES = [
     _F32P, _I64, _F32P, _I64, _I64,  # new K and V rows, their token strides, tokens
     _I64P, _F32P, _F32P, _I64, _I64,  # slots; K and V cache views, block and slot strides
@@ -87,9 +82,6 @@ def build_kernel(source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL 
     if hasattr(lib, "write_kv_rows"):
         lib.write_kv_rows.argtypes = _WRITE_KV_ARGTYPES
         lib.write_kv_rows.restype = None
-    if hasattr(lib, "linear_rows"):
-        lib.linear_rows.argtypes = _LINEAR_ARGTYPES
-        lib.linear_rows.restype = None
     return lib
 
 

@@ -26,7 +26,6 @@
  * would hold up the loads the compute needs now. */
 #define PREFETCH_BLOCKS 2
 #define PREFETCH_LOCALITY 2
-#define LINEAR_ROWS 4 /* weight rows per pass in linear_rows (written out there) */
 #define PV_KEYS 4 /* values accumulated per pass over a head's accumulator (written out below) */
 
 #include "exp_nonpositive.h"
@@ -195,53 +194,6 @@ void paged_decode_parts(
         paged_decode(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride,
                      block_tables, table_stride, row_req, row_token, row_len, bounds[i], bounds[i + 1], kv_heads,
                      group, head_dim, block_size, scale, out, out_token_stride, out_head_stride);
-}
-
-/* y[i] = W x[i] (+ bias) for a few rows x (a decode step's tokens), output features
- * [n_begin, n_end) of W [N, K] (row-major, as nn.Linear keeps it).
- *
- * At one to a few rows a linear layer only streams its weights, and MKL's gemm does that
- * at ~11 GB/s on the 2-core EPYC (one thread's worth, whatever the thread count) against
- * ~25-35 GB/s of read bandwidth. Here each weight row is read once for every input row
- * while it is in L1. */
-void linear_rows(const float *x, int64_t x_stride, int rows, const float *w, int64_t k, const float *bias,
-                 float *y, int64_t y_stride, int64_t n_begin, int64_t n_end)
-{
-    /* LINEAR_ROWS weight rows at a time: independent sums keep the FMA units busy where one
-     * dot product would wait on its own latency. The groups are split over OpenMP threads:
-     * torch's own runtime (the loader reuses its libgomp), so torch.set_num_threads holds,
-     * and a call costs no Python thread hand-off (~30 us, 121 calls a SmolLM2 step). */
-    const int64_t groups = (n_end - n_begin) / LINEAR_ROWS;
-#pragma omp parallel for schedule(static)
-    for (int64_t g = 0; g < groups; g++) {
-        const int64_t n = n_begin + g * LINEAR_ROWS;
-        const float *w0 = w + n * k, *w1 = w0 + k, *w2 = w1 + k, *w3 = w2 + k;
-        for (int i = 0; i < rows; i++) {
-            const float *xr = x + i * x_stride;
-            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-            for (int64_t d = 0; d < k; d++) {
-                const float xv = xr[d];
-                a0 += w0[d] * xv;
-                a1 += w1[d] * xv;
-                a2 += w2[d] * xv;
-                a3 += w3[d] * xv;
-            }
-            float *yr = y + i * y_stride + n;
-            yr[0] = a0 + (bias ? bias[n] : 0.0f);
-            yr[1] = a1 + (bias ? bias[n + 1] : 0.0f);
-            yr[2] = a2 + (bias ? bias[n + 2] : 0.0f);
-            yr[3] = a3 + (bias ? bias[n + 3] : 0.0f);
-        }
-    }
-    for (int64_t n = n_begin + groups * LINEAR_ROWS; n < n_end; n++) {
-        const float *wr = w + n * k;
-        for (int i = 0; i < rows; i++) {
-            const float *xr = x + i * x_stride;
-            float acc = 0.0f;
-            for (int64_t d = 0; d < k; d++) acc += wr[d] * xr[d];
-            y[i * y_stride + n] = acc + (bias ? bias[n] : 0.0f);
-        }
-    }
 }
 
 /* The K and V rows of `tokens` new tokens into their cache slots: token t's row (kv_heads x

@@ -1,37 +1,47 @@
-"""Linear layers on the CPU (fp32, inference): a compiled kernel for a decode step's few rows,
-MKL's or oneDNN's matmul for more.
+"""Linear layers on the CPU (fp32, inference): a compiled kernel up to a few dozen rows (a
+decode step's), MKL's or oneDNN's matmul for more.
 
-At a few rows a linear layer only streams its weights. MKL's gemm reads them at about
-11 GB/s on the 2-core EPYC whatever the thread count; the kernel (``linear_rows`` in
-``siesta/attention/cpu_decode.c``, OpenMP over the output features) at 15-22 GB/s: every
-linear of a SmolLM2 step at 1 row in 24 ms against 49 ms (1.9-2.8x at 1-8 rows). Past
-``MAX_ROWS`` the product is compute-bound, and which library is faster depends on the CPU:
-- on a 2-core AMD EPYC (AVX-512), MKL's sgemm (what ``F.linear`` calls) reaches about
-  200 GFLOP/s at SmolLM2's shapes and oneDNN's matmul (the ``mkldnn`` build inside torch,
-  JIT-compiled for the CPU it finds) 400-470, from 9 rows to a 2,048-token prefill;
+Over a model's layers, a product of a few dozen rows streams every weight from memory and
+does little work per weight. The BLAS libraries first wait for the weights and then
+compute. The kernel (``linear_tiled`` in ``cpu_gemm.c``) prefetches the next weights while
+it computes, so the two overlap. On the 2-core EPYC (AVX-512, ~190 GFLOP/s fp32, 25 GB/s
+from memory), over SmolLM2's 30 layers with weights cold as in a step, it runs:
+- 1-8 rows at 22-27 GB/s, where oneDNN reads 8-11;
+- 32 rows at ~160 GFLOP/s against oneDNN's ~105 and MKL's ~50;
+- 128 rows at ~175 GFLOP/s against oneDNN's ~145.
+``python -m siesta.bench.cpu_linear`` times the paths, in cache and cold.
+
+Past ``MAX_ROWS`` the product is compute-bound, and which library is faster depends on the CPU:
+- on the 2-core AMD EPYC, MKL's sgemm (what ``F.linear`` calls) takes a generic code path
+  and oneDNN's matmul (the ``mkldnn`` build inside torch, JIT-compiled for the CPU it finds)
+  is 1.4-1.6x faster at a 2,048-token prefill (~195 GFLOP/s);
 - on a 2-core Intel Xeon (AVX-512, 2026-12-03) oneDNN runs at 0.8-1.0x MKL, at about
   300 GFLOP/s each (``bench/results/cpu-linear-intel-xeon-2core-2026-12-03.json``), and a
   2,000-token prefill is 5% faster on MKL.
-So ``auto`` (``CpuConfig.matmul``) takes oneDNN on AMD CPUs, where MKL is known to take a
-generic code path, and MKL elsewhere: a rule of the CPU's vendor rather than a timing at
-start-up, so that every process on a machine multiplies with the same library and rounds the
-same way. ``python -m siesta.bench.cpu_linear`` measures the three on a new CPU. Both read
-the plain row-major weight, so weights written in place (a weight push, a reload) are what
-they multiply: nothing is packed or cached.
+So ``auto`` (``CpuConfig.matmul``) takes oneDNN on AMD CPUs and MKL elsewhere: a rule of the
+CPU's vendor rather than a timing at start-up, so that every process on a machine multiplies
+with the same library and rounds the same way. All three read the plain row-major weight, so
+weights written in place (a weight push, a reload) are what they multiply: nothing is packed
+or cached.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from pathlib import Path
 
 import torch
 
-from siesta.attention.cpu_attention import load_kernel
+from siesta import c_kernels
 from siesta.config import CPU_MATMULS
 from siesta.cpu_info import cpu_vendor
 
-MAX_ROWS = 8
+SOURCE = Path(__file__).with_name("cpu_gemm.c")
+# Rows up to which the kernel serves. On the EPYC it is ahead of oneDNN up to ~256 rows on
+# the layers' matrices, and up to ~128 on the output head's; past that oneDNN's packed
+# panels win.
+MAX_ROWS = 128
 _AMD_VENDOR = "AuthenticAMD"
 _library: str | None = None  # of products past MAX_ROWS: set_library's choice (None: auto's, when first asked)
 
@@ -91,21 +101,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not _fp32_inference(x, weight, bias):
         return None
     if _takes_rows(x, weight, bias):
-        out = _linear_rows(x, weight, bias)
+        out = linear_tiled(x, weight, bias)
         if out is not None:
             return out
     matmul = onednn_matmul() if library() == "onednn" else None
     return None if matmul is None else matmul(x, weight, bias, "none", [], "")
 
 
-def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    lib = load_kernel()
-    if lib is None or not hasattr(lib, "linear_rows"):
+_I64, _F32P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
+_TILED_ARGTYPES = [
+    _F32P, _I64, _I64,  # x, its row stride, rows
+    _F32P, _I64, _I64, _F32P,  # weight [N, K], K, N, bias (or None)
+    _F32P, _I64,  # y, its row stride
+]  # fmt: skip
+
+
+@functools.cache
+def load_gemm() -> ctypes.CDLL | None:
+    """The compiled kernel (``cpu_gemm.c``), built once per source, flags and CPU; None without a C compiler."""
+    lib = c_kernels.build("cpu_gemm", SOURCE.read_bytes())
+    if lib is not None:
+        lib.linear_tiled.argtypes = _TILED_ARGTYPES
+        lib.linear_tiled.restype = ctypes.c_int
+    return lib
+
+
+def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernel's ``F.linear(x, weight, bias)`` (fp32, 2-d x with contiguous rows, a contiguous
+    weight); None without a compiler or where in_features is not a whole number of vectors."""
+    lib = load_gemm()
+    if lib is None:
         return None
     n, k = weight.shape
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
-    f32 = ctypes.POINTER(ctypes.c_float)
-    args = (ctypes.cast(x.data_ptr(), f32), x.stride(0), x.shape[0], ctypes.cast(weight.data_ptr(), f32), k,
-            None if bias is None else ctypes.cast(bias.data_ptr(), f32), ctypes.cast(y.data_ptr(), f32), y.stride(0))  # fmt: skip
-    lib.linear_rows(*args, 0, n)
+    if lib.linear_tiled(_ptr(x), x.stride(0), x.shape[0], _ptr(weight), k, n, _ptr(bias), _ptr(y), y.stride(0)):
+        return None
     return y
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else ctypes.cast(t.data_ptr(), _F32P)

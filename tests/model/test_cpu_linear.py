@@ -1,5 +1,6 @@
-"""The CPU linears (the few-row kernel, then oneDNN or MKL past it) against F.linear, where they
-decline to serve, and which library serves past the kernel."""
+"""The CPU linears (the kernel up to MAX_ROWS rows, then oneDNN or MKL past it) against F.linear,
+where they decline to serve, and which library serves past the kernel. The kernel itself
+against a float64 oracle: ``test_cpu_gemm.py``."""
 
 from __future__ import annotations
 
@@ -27,15 +28,25 @@ def _case(rows: int, n: int, k: int, bias: bool, seed: int = 0):
     return x, w, b
 
 
-# n not a multiple of the kernel's 4-row groups (a tail), k not a multiple of a vector.
-@pytest.mark.parametrize("rows", [1, 2, 3, 8])
-@pytest.mark.parametrize("n,k,bias", [(576, 576, False), (1030, 77, True), (3, 64, True), (49, 1536, False)])
+# n not a multiple of the kernel's 4-row tiles (a tail), rows not a multiple of its 6-row passes.
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 40, cpu_linear.MAX_ROWS])
+@pytest.mark.parametrize("n,k,bias", [(576, 576, False), (1030, 80, True), (3, 64, True), (49, 1536, False)])
 @torch.inference_mode()
 def test_matches_f_linear(rows: int, n: int, k: int, bias: bool) -> None:
     x, w, b = _case(rows, n, k, bias)
     out = cpu_linear.linear(x, w, b)
     assert out is not None, "the CPU machines build the kernel"
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_in_features_the_kernel_does_not_take_go_to_the_library(library) -> None:
+    x, w, b = _case(3, 40, 77, True)  # 77: not a whole number of 16-float vectors
+    assert cpu_linear.linear_tiled(x, w, b) is None
+    assert library("mkl") == "mkl"
+    assert cpu_linear.linear(x, w, b) is None  # layers.linear then calls F.linear
+    if library("onednn") == "onednn":
+        torch.testing.assert_close(cpu_linear.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 @torch.inference_mode()
@@ -90,14 +101,14 @@ def test_declines_what_it_cannot_do() -> None:
 
 
 def test_layers_linear_keeps_autograd_and_matches_in_every_case() -> None:
-    x, w, b = _case(2, 40, 24, True)
+    x, w, b = _case(2, 40, 32, True)
     w.requires_grad_(True)
     out = linear(x, w, b)
     out.sum().backward()
     assert w.grad is not None
     with torch.inference_mode():
         for rows in (1, cpu_linear.MAX_ROWS + 4):
-            xr = _case(rows, 40, 24, True, seed=rows)[0]
+            xr = _case(rows, 40, 32, True, seed=rows)[0]
             torch.testing.assert_close(linear(xr, w, b), F.linear(xr, w, b), rtol=1e-5, atol=1e-4)
 
 
@@ -106,13 +117,13 @@ def test_model_linears_go_through_the_cpu_paths(monkeypatch: pytest.MonkeyPatch,
 
     onednn = library("onednn") == "onednn"
 
-    layer = Linear(24, 40, bias=True)
+    layer = Linear(32, 40, bias=True)
     calls: list[int] = []
     kernel = cpu_linear.linear
     monkeypatch.setattr(cpu_linear, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or kernel(x, w, b))
     with torch.inference_mode():
         for rows in (1, cpu_linear.MAX_ROWS + 4):
-            x = _case(rows, 40, 24, False, seed=rows)[0]
+            x = _case(rows, 40, 32, False, seed=rows)[0]
             assert (kernel(x, layer.weight, layer.bias) is not None) == (rows <= cpu_linear.MAX_ROWS or onednn)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
     assert calls == [1, cpu_linear.MAX_ROWS + 4]  # every CPU call is offered to cpu_linear
