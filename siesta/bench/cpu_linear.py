@@ -1,11 +1,13 @@
-"""CPU linears, fp32: MKL (``F.linear``) against oneDNN's matmul and the few-row kernel.
+"""CPU linears, fp32: MKL (``F.linear``) against oneDNN's matmul and siesta's kernel (``cpu_gemm.c``).
 
-    python -m siesta.bench.cpu_linear [--rows 1,8,9,64,512,2048] [--json PATH]
+    python -m siesta.bench.cpu_linear [--rows 1,8,32,128,512,2048] [--json PATH]
 
-SmolLM2-135M's matrices (qkv, o_proj, gate_up, down, lm_head); x of M rows. Each figure is
-the best of ``--repeats`` calls after two warm-up calls: on a machine shared with other
-work, the best call is the one least disturbed. Reported per shape and M: GFLOP/s of each
-path and oneDNN's speed-up over MKL.
+SmolLM2-135M's matrices (qkv, o_proj, gate_up, down, lm_head), x of M rows, each matrix
+timed alone (in cache from the second call on), and ``layers (cold)``: one pass over 30
+layers' four matrices, each a distinct tensor (~425 MB, past any cache), as a decode step
+reads them. Each figure is the best of ``--repeats`` calls after two warm-up calls: on a
+machine shared with other work, the best call is the one least disturbed. Reported per
+shape and M: GFLOP/s of each path, and the kernel's and oneDNN's speed-ups over MKL.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from siesta.model import cpu_linear
 # (name, out_features, in_features) of SmolLM2-135M.
 SHAPES = (("qkv", 960, 576), ("o_proj", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
           ("lm_head", 49152, 576))  # fmt: skip
+LAYERS = 30  # SmolLM2-135M's
+COLD = "layers (cold)"
 WARMUP_CALLS = 2
 
 
@@ -38,40 +42,66 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def run(rows: list[int], repeats: int) -> list[dict[str, float | int | str]]:
+def _paths(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
+    paths: dict[str, Callable[[], object]] = {"mkl": functools.partial(F.linear, x, w)}
     matmul = cpu_linear.onednn_matmul()
+    if matmul is not None:
+        paths["onednn"] = functools.partial(matmul, x, w, None, "none", [], "")
+    if cpu_linear.linear_tiled(x, w, None) is not None:
+        paths["kernel"] = functools.partial(cpu_linear.linear_tiled, x, w, None)
+    return paths
+
+
+def _timed(res: dict[str, float | int | str], paths: dict[str, Callable[[], object]], flop: int, repeats: int) -> None:
+    with torch.inference_mode():
+        for path, fn in paths.items():
+            res[f"{path}_gflops"] = flop / _best_seconds(fn, repeats) / 1e9
+
+
+def _cold_layers(m: int, gen: torch.Generator, repeats: int) -> dict[str, float | int | str]:
+    layer_shapes = [(n, k) for name, n, k in SHAPES if name != "lm_head"]
+    weights = [torch.randn(n, k, generator=gen) for _ in range(LAYERS) for n, k in layer_shapes]
+    inputs = {k: torch.randn(m, k, generator=gen) for _, k in layer_shapes}
+    per_matrix = [_paths(inputs[w.shape[1]], w) for w in weights]
+    every_pass = {path: [p[path] for p in per_matrix] for path in per_matrix[0]}
+    paths = {path: functools.partial(_each, calls) for path, calls in every_pass.items()}
+    res: dict[str, float | int | str] = {"matrix": COLD, "rows": m}
+    _timed(res, paths, sum(2 * m * w.numel() for w in weights), repeats)
+    return res
+
+
+def _each(calls: list[Callable[[], object]]) -> None:
+    for call in calls:
+        call()
+
+
+def run(rows: list[int], repeats: int) -> list[dict[str, float | int | str]]:
     results = []
     gen = torch.Generator().manual_seed(0)
     for name, n, k in SHAPES:
         w = torch.randn(n, k, generator=gen)
         for m in rows:
-            x = torch.randn(m, k, generator=gen)
-            flop = 2 * m * n * k
             res: dict[str, float | int | str] = {"matrix": name, "rows": m}
-            paths: dict[str, Callable[[], object]] = {"mkl": functools.partial(F.linear, x, w)}
-            if matmul is not None:
-                paths["onednn"] = functools.partial(matmul, x, w, None, "none", [], "")
-            if m <= cpu_linear.MAX_ROWS and cpu_linear._linear_rows(x, w, None) is not None:
-                paths["rows_kernel"] = functools.partial(cpu_linear._linear_rows, x, w, None)
-            with torch.inference_mode():
-                for path, fn in paths.items():
-                    res[f"{path}_gflops"] = flop / _best_seconds(fn, repeats) / 1e9
+            _timed(res, _paths(torch.randn(m, k, generator=gen), w), 2 * m * n * k, repeats)
             results.append(res)
+    for m in rows:
+        results.append(_cold_layers(m, gen, max(1, repeats // 4)))  # a pass is ~30x a matrix's call
     return results
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default="1,8,9,64,512,2048", help="comma-separated row counts")
+    p.add_argument("--rows", default="1,8,32,128,512,2048", help="comma-separated row counts")
     p.add_argument("--repeats", type=int, default=12)
     p.add_argument("--json", default=None)
     args = p.parse_args()
     results = run([int(r) for r in args.rows.split(",") if r], args.repeats)
-    cols = ["mkl_gflops", "onednn_gflops", "rows_kernel_gflops"]
-    rows = [[r["matrix"], r["rows"], *(r.get(c, float("nan")) for c in cols),
-             r.get("onednn_gflops", float("nan")) / r["mkl_gflops"]] for r in results]  # fmt: skip
+    cols = ["mkl_gflops", "onednn_gflops", "kernel_gflops"]
+    nan = float("nan")
+    rows = [[r["matrix"], r["rows"], *(r.get(c, nan) for c in cols), r.get("kernel_gflops", nan) / r["mkl_gflops"],
+             r.get("onednn_gflops", nan) / r["mkl_gflops"]] for r in results]  # fmt: skip
     print_table(f"CPU linears, fp32, {torch.get_num_threads()} threads (GFLOP/s, best of {args.repeats})",
-                ["matrix", "rows", "mkl", "onednn", "rows kernel", "onednn / mkl"], rows)  # fmt: skip
+                ["matrix", "rows", "mkl", "onednn", "kernel", "kernel / mkl", "onednn / mkl"], rows)  # fmt: skip
     write_json(args.json, {"machine": machine(), "threads": torch.get_num_threads(), "repeats": args.repeats, "results": results})
 
 
