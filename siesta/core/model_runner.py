@@ -53,6 +53,10 @@ WARM_UP_LONG_CONTEXT = 8192
 # scored row: rows go through in chunks of about this many logits, so the memory they take
 # stays bounded (three fp32 tensors of it, 128 MiB each) however long the prefill chunk.
 PROMPT_SCORE_CHUNK_ELEMENTS = 1 << 25
+# The last layer's tail runs on the read rows alone where they are at most this fraction of
+# the step's (1/KEEP_ROWS_FRACTION): a decode step reads every row, a prompt chunk one
+# row a prompt.
+KEEP_ROWS_FRACTION = 2
 
 
 @dataclass
@@ -417,7 +421,16 @@ class ModelRunner:
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, meta)
             if hidden is not None:
                 return hidden
-        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta, keep=self._kept_rows(inputs))
+
+    @staticmethod
+    def _kept_rows(inputs: StepInputs) -> torch.Tensor | None:
+        """The rows whose hidden states the step reads (sampled and scored), where they are few
+        enough of its rows for the last layer's tail to run on them alone (``CausalLM.forward``)."""
+        rows = inputs.logits_rows
+        if inputs.prompt is not None:
+            rows = torch.cat([rows, inputs.prompt.rows])
+        return rows if len(rows) * KEEP_ROWS_FRACTION <= len(inputs.input_ids) else None
 
     def memory_moved(self) -> None:
         """Weights or KV were re-allocated (sleep): graphs captured on the old addresses are void."""

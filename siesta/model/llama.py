@@ -304,13 +304,31 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` of the step's tokens."""
+        """Hidden states ``[T, hidden]`` of the step's tokens.
+
+        ``keep``: the rows whose hidden states are read (those whose logits are taken). The last
+        layer still writes every row's K/V, but its o_proj, MLP and the final norm run on those
+        rows alone: a prompt chunk's other rows feed only the cache. The rows not kept are NaN,
+        so that a reader of one fails loudly."""
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
+        *layers, last = self.model.layers
+        for layer in layers:
             x, residual = layer(x, residual, positions, kv_cache, meta)
-        return self.final_norm(x, residual)
+        if keep is None:
+            return self.final_norm(*last(x, residual, positions, kv_cache, meta))
+        q, k, v, residual = last.before_attention(x, residual, positions)
+        attn = last.self_attn.attend(q, k, v, kv_cache, meta)
+        hidden = residual.new_full(residual.shape, float("nan"))
+        if len(keep):  # none read (a chunk of a prompt that goes on): no tail at all
+            hidden[keep] = self.final_norm(*last.after_attention(attn[keep], residual[keep]))
+        return hidden
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.model.norm.add_and_norm(x, residual)[0]
