@@ -6,10 +6,11 @@ does little work per weight. The BLAS libraries first wait for the weights and t
 compute. The kernel (``linear_tiled`` in ``cpu_gemm.c``) prefetches the next weights while
 it computes, so the two overlap. On the 2-core EPYC (AVX-512, ~190 GFLOP/s fp32, 25 GB/s
 from memory), over SmolLM2's 30 layers with weights cold as in a step, it runs:
-- 1-8 rows at 22-27 GB/s, where oneDNN reads 8-11;
-- 32 rows at ~160 GFLOP/s against oneDNN's ~105 and MKL's ~50;
-- 128 rows at ~175 GFLOP/s against oneDNN's ~145.
-``python -m siesta.bench.cpu_linear`` times the paths, in cache and cold.
+- 1-8 rows, reading the weights at 23-28 GB/s, where oneDNN reads them at 11-15;
+- 32 rows at 156 GFLOP/s against oneDNN's 107 and MKL's 78;
+- 128 rows at 182 GFLOP/s against oneDNN's 163.
+``python -m siesta.bench.cpu_linear`` times the paths, in cache and cold
+(``bench/results/cpu-linear-amd-epyc-2core-2026-12-04.json``).
 
 Past ``MAX_ROWS`` the product is compute-bound, and which library is faster depends on the CPU:
 - on the 2-core AMD EPYC, MKL's sgemm (what ``F.linear`` calls) takes a generic code path

@@ -18,7 +18,7 @@ def _generate(monkeypatch: pytest.MonkeyPatch, keep: bool, params: list[Sampling
     layer tail saw; ``keep`` False: the tail on every row of every step."""
     if not keep:
         monkeypatch.setattr(model_runner.ModelRunner, "_kept_rows", staticmethod(lambda inputs: None))
-    llm = LLM("random:tiny-llama", dtype="float32", kv_cache_bytes=1 << 22, max_model_len=512,
+    llm = LLM("random:tiny-llama", dtype="float32", device="cpu", kv_cache_bytes=1 << 22, max_model_len=512,
               max_num_batched_tokens=48)  # fmt: skip
     last = llm.engine.source.hf_config.num_hidden_layers - 1
     tail_rows: list[int] = []
@@ -45,7 +45,7 @@ def test_a_prompt_chunk_runs_the_tail_on_its_read_rows_with_the_same_bits(monkey
     params = [greedy.replace(prompt_logprobs=2) if scored else greedy, greedy, greedy]
     kept, kept_rows = _generate(monkeypatch, True, params)
     full, full_rows = _generate(monkeypatch, False, params)
-    # Every step has at most 48 rows, so both runs' linears are the same kernel, whose rows'
+    # Every step has at most 48 rows, so both runs' linears are the same CPU kernel, whose rows'
     # bits do not depend on the batch: the answers must match exactly, NaN rows never read.
     assert _answers(kept) == _answers(full)
     assert sum(full_rows) == 168 + 3 * 5  # every prompt token, then 5 decode steps of each request
