@@ -35,10 +35,14 @@ from pathlib import Path
 import torch
 
 from siesta import c_kernels
+from siesta.c_kernels import CFLAGS
 from siesta.config import CPU_MATMULS
 from siesta.cpu_info import cpu_vendor
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
+# Its sums are written out as vectors; without reassociation the compiler keeps each one's
+# order as written, the same in every row count's inlined copy (a row's bits, whatever its batch).
+FLAGS = tuple(f for f in CFLAGS if f != "-fassociative-math")
 # Rows up to which the kernel serves. On the EPYC it is ahead of oneDNN up to ~256 rows on
 # the layers' matrices, and up to ~128 on the output head's; past that oneDNN's packed
 # panels win.
@@ -120,7 +124,7 @@ _TILED_ARGTYPES = [
 @functools.cache
 def load_gemm() -> ctypes.CDLL | None:
     """The compiled kernel (``cpu_gemm.c``), built once per source, flags and CPU; None without a C compiler."""
-    lib = c_kernels.build("cpu_gemm", SOURCE.read_bytes())
+    lib = c_kernels.build("cpu_gemm", SOURCE.read_bytes(), FLAGS)
     if lib is not None:
         lib.linear_tiled.argtypes = _TILED_ARGTYPES
         lib.linear_tiled.restype = ctypes.c_int
