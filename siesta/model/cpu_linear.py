@@ -1,5 +1,5 @@
-"""Linear layers on the CPU (fp32, inference): a compiled kernel up to a few dozen rows (a
-decode step's), MKL's or oneDNN's matmul for more.
+"""Linear layers on the CPU (fp32, inference): a compiled kernel up to ``MAX_ROWS`` rows (decode
+steps, small mixed steps), MKL's or oneDNN's matmul for more.
 
 Over a model's layers, a product of a few dozen rows streams every weight from memory and
 does little work per weight. The BLAS libraries first wait for the weights and then
