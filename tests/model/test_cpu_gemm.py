@@ -8,12 +8,11 @@ import ctypes
 
 import pytest
 import torch
-import torch.nn.functional as F
+from linear_cases import at_thread_counts, case, within_dot_product_bound
 
 from siesta.model import cpu_linear
 
 _F32P = ctypes.POINTER(ctypes.c_float)
-UNIT = 2.0**-24  # fp32's unit roundoff
 
 
 @pytest.fixture(scope="module")
@@ -21,22 +20,6 @@ def lib() -> ctypes.CDLL:
     built = cpu_linear.load_gemm()
     assert built is not None, "the CPU machines have a C compiler: the kernel must build"
     return built
-
-
-def _case(rows: int, n: int, k: int, bias: bool, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=gen)
-    w = torch.randn(n, k, generator=gen)
-    b = torch.randn(n, generator=gen) if bias else None
-    return x, w, b
-
-
-def _within_dot_product_bound(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    """|out - exact| <= (k + 1) u (|x| |w|^T + |b|) (Higham's bound on a fp32 dot product of length k)."""
-    k = x.shape[1]
-    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
-    magnitude = F.linear(x.double().abs(), w.double().abs()) + (0 if b is None else b.double().abs())
-    return bool(((out.double() - exact).abs() <= (k + 1) * UNIT * magnitude).all())
 
 
 def _call(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor) -> int:
@@ -49,39 +32,32 @@ def _call(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 37, 64, 128])
 @pytest.mark.parametrize("n,k,bias", [(4, 16, False), (7, 576, True), (962, 576, False), (45, 1536, True)])
 def test_within_the_dot_product_bound_of_float64(rows: int, n: int, k: int, bias: bool) -> None:
-    x, w, b = _case(rows, n, k, bias, seed=rows)
+    x, w, b = case(rows, n, k, bias, seed=rows)
     out = cpu_linear.linear_tiled(x, w, b)
     assert out is not None
-    assert _within_dot_product_bound(out, x, w, b)
+    assert within_dot_product_bound(out, x, w, b)
 
 
 def test_strided_rows_are_read_and_only_the_outputs_written(lib: ctypes.CDLL) -> None:
-    x, w, b = _case(13, 10, 64, True)
+    x, w, b = case(13, 10, 64, True)
     wide_x = torch.full((13, 100), float("nan"))
     wide_x[:, :64] = x  # row stride 100: the NaNs past each row must never be read
     y = torch.full((13, 30), -7.0)
     assert _call(lib, wide_x[:, :64], w, b, y[:, 5:15]) == 0
     assert torch.equal(y[:, :5], torch.full((13, 5), -7.0)) and torch.equal(y[:, 15:], torch.full((13, 15), -7.0))
-    assert _within_dot_product_bound(y[:, 5:15], x, w, b)
+    assert within_dot_product_bound(y[:, 5:15], x, w, b)
 
 
 def test_any_thread_count_gives_the_same_bits() -> None:
-    x, w, b = _case(20, 333, 128, True)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(cpu_linear.linear_tiled(x, w, b))
-    finally:
-        torch.set_num_threads(threads)
+    x, w, b = case(20, 333, 128, True)
+    results = at_thread_counts(lambda: cpu_linear.linear_tiled(x, w, b))
     assert all(torch.equal(r, results[0]) for r in results)
 
 
 def test_a_rows_bits_do_not_depend_on_its_batch() -> None:
     """Alone, first, in a pass's tail or mid-batch: the same row gives the same bits (a sequence
     decodes the same whatever else shares its step)."""
-    x, w, b = _case(40, 70, 576, True)
+    x, w, b = case(40, 70, 576, True)
     full = cpu_linear.linear_tiled(x, w, b)
     for start, stop in ((0, 1), (17, 18), (3, 10), (30, 40), (5, 37)):
         part = cpu_linear.linear_tiled(x[start:stop], w, b)
@@ -90,7 +66,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch() -> None:
 
 def test_a_nan_weight_row_spoils_only_its_own_outputs() -> None:
     """The shuffle tree sums four tiles' accumulators together: a lane crossing over would spread it."""
-    x, w, _ = _case(9, 12, 64, False)
+    x, w, _ = case(9, 12, 64, False)
     w[5, 3] = float("nan")
     out = cpu_linear.linear_tiled(x, w, None)
     assert bool(out[:, 5].isnan().all())
@@ -100,7 +76,7 @@ def test_a_nan_weight_row_spoils_only_its_own_outputs() -> None:
 
 @pytest.mark.parametrize("k", [0, 8, 77])
 def test_in_features_that_are_not_whole_vectors_are_refused_untouched(lib: ctypes.CDLL, k: int) -> None:
-    x, w, b = _case(3, 8, k, True)
+    x, w, b = case(3, 8, k, True)
     y = torch.full((3, 8), 5.0)
     assert _call(lib, x, w, b, y) == -1
     assert torch.equal(y, torch.full((3, 8), 5.0))
@@ -108,7 +84,7 @@ def test_in_features_that_are_not_whole_vectors_are_refused_untouched(lib: ctype
 
 
 def test_a_weight_written_in_place_is_what_it_multiplies() -> None:
-    x, w, b = _case(8, 16, 32, True)
+    x, w, b = case(8, 16, 32, True)
     before = cpu_linear.linear_tiled(x, w, b)
     with torch.no_grad():
         w.mul_(2.0)
@@ -116,21 +92,14 @@ def test_a_weight_written_in_place_is_what_it_multiplies() -> None:
     torch.testing.assert_close(after - b, 2.0 * (before - b), rtol=1e-5, atol=1e-4)
 
 
-def test_linear_takes_the_kernel_up_to_max_rows(monkeypatch: pytest.MonkeyPatch, library_mkl) -> None:
+def test_linear_takes_the_kernel_up_to_max_rows(monkeypatch: pytest.MonkeyPatch, library) -> None:
+    assert library("mkl") == "mkl"
     calls: list[int] = []
     kernel = cpu_linear.linear_tiled
     monkeypatch.setattr(cpu_linear, "linear_tiled", lambda x, w, b: calls.append(x.shape[0]) or kernel(x, w, b))
     with torch.inference_mode():
         for rows in (1, cpu_linear.MAX_ROWS, cpu_linear.MAX_ROWS + 1):
-            x, w, b = _case(rows, 8, 32, True)
+            x, w, b = case(rows, 8, 32, True)
             out = cpu_linear.linear(x, w, b)
             assert (out is not None) == (rows <= cpu_linear.MAX_ROWS)  # past it: MKL's F.linear
     assert calls == [1, cpu_linear.MAX_ROWS]
-
-
-@pytest.fixture
-def library_mkl():
-    before = cpu_linear.library()
-    cpu_linear.set_library("mkl")
-    yield
-    cpu_linear.set_library(before)

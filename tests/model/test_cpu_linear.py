@@ -8,24 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from linear_cases import at_thread_counts, case, within_dot_product_bound
+
 from siesta.model import cpu_linear
 from siesta.model.layers import linear
-
-
-@pytest.fixture
-def library():
-    """Sets this process's CPU matmul for one test, then puts the engine's choice back."""
-    before = cpu_linear.library()
-    yield cpu_linear.set_library
-    cpu_linear.set_library(before)
-
-
-def _case(rows: int, n: int, k: int, bias: bool, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=gen)
-    w = torch.randn(n, k, generator=gen)
-    b = torch.randn(n, generator=gen) if bias else None
-    return x, w, b
 
 
 # n not a multiple of the kernel's 4-row tiles (a tail), rows not a multiple of its 6-row passes.
@@ -33,7 +19,7 @@ def _case(rows: int, n: int, k: int, bias: bool, seed: int = 0):
 @pytest.mark.parametrize("n,k,bias", [(576, 576, False), (1030, 80, True), (3, 64, True), (49, 1536, False)])
 @torch.inference_mode()
 def test_matches_f_linear(rows: int, n: int, k: int, bias: bool) -> None:
-    x, w, b = _case(rows, n, k, bias)
+    x, w, b = case(rows, n, k, bias)
     out = cpu_linear.linear(x, w, b)
     assert out is not None, "the CPU machines build the kernel"
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
@@ -41,7 +27,7 @@ def test_matches_f_linear(rows: int, n: int, k: int, bias: bool) -> None:
 
 @torch.inference_mode()
 def test_in_features_the_kernel_does_not_take_go_to_the_library(library) -> None:
-    x, w, b = _case(3, 40, 77, True)  # 77: not a whole number of 16-float vectors
+    x, w, b = case(3, 40, 77, True)  # 77: not a whole number of 16-float vectors
     assert cpu_linear.linear_tiled(x, w, b) is None
     assert library("mkl") == "mkl"
     assert cpu_linear.linear(x, w, b) is None  # layers.linear then calls F.linear
@@ -51,18 +37,11 @@ def test_in_features_the_kernel_does_not_take_go_to_the_library(library) -> None
 
 @torch.inference_mode()
 def test_strided_rows_and_any_thread_count_give_the_same_bits() -> None:
-    x, w, b = _case(4, 333, 128, True)
+    x, w, b = case(4, 333, 128, True)
     wide = torch.zeros(4, 200)
     wide[:, :128] = x
     strided = wide[:, :128]  # row stride 200
-    results = []
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(cpu_linear.linear(strided, w, b))
-    finally:
-        torch.set_num_threads(threads)
+    results = at_thread_counts(lambda: cpu_linear.linear(strided, w, b))
     assert all(torch.equal(r, results[0]) for r in results)
     torch.testing.assert_close(results[0], F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
@@ -76,22 +55,19 @@ def test_onednn_serves_more_rows_and_matches_f_linear(rows: int, n: int, k: int,
     if cpu_linear.onednn_matmul() is None:
         pytest.skip("this torch build has no oneDNN")
     assert library("onednn") == "onednn"
-    x, w, b = _case(rows, n, k, bias)
+    x, w, b = case(rows, n, k, bias)
     out = cpu_linear.linear(x, w, b)
     assert out is not None
-    # Against float64, within the worst-case bound of fp32 dot products of length k (Higham:
-    # k u sum |x w|): oneDNN sums in another order than MKL, so the bits differ from F.linear's.
-    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
-    unit = 2.0**-24
-    bound = (k + 1) * unit * (F.linear(x.double().abs(), w.double().abs()) + (0 if b is None else b.double().abs()))
-    assert bool(((out.double() - exact).abs() <= bound).all())
+    # Against float64, within the worst-case bound of fp32 dot products: oneDNN sums in
+    # another order than MKL, so the bits differ from F.linear's.
+    assert within_dot_product_bound(out, x, w, b)
     wide = torch.zeros(rows, k + 8)
     wide[:, :k] = x
     torch.testing.assert_close(cpu_linear.linear(wide[:, :k], w.t().contiguous().t(), b), out, rtol=1e-5, atol=1e-4)
 
 
 def test_declines_what_it_cannot_do() -> None:
-    x, w, b = _case(cpu_linear.MAX_ROWS + 1, 16, 16, True)
+    x, w, b = case(cpu_linear.MAX_ROWS + 1, 16, 16, True)
     with torch.inference_mode():
         assert cpu_linear.linear(x[:2].double(), w.double(), None) is None
         assert cpu_linear.linear(x[None], w, b) is None  # 3-d input: F.linear's
@@ -100,15 +76,15 @@ def test_declines_what_it_cannot_do() -> None:
     assert cpu_linear.linear(x, w, None) is None
 
 
-def test_layers_linear_keeps_autograd_and_matches_in_every_case() -> None:
-    x, w, b = _case(2, 40, 32, True)
+def test_layers_linear_keeps_autograd_and_matches_in_everycase() -> None:
+    x, w, b = case(2, 40, 32, True)
     w.requires_grad_(True)
     out = linear(x, w, b)
     out.sum().backward()
     assert w.grad is not None
     with torch.inference_mode():
         for rows in (1, cpu_linear.MAX_ROWS + 4):
-            xr = _case(rows, 40, 32, True, seed=rows)[0]
+            xr = case(rows, 40, 32, True, seed=rows)[0]
             torch.testing.assert_close(linear(xr, w, b), F.linear(xr, w, b), rtol=1e-5, atol=1e-4)
 
 
@@ -123,7 +99,7 @@ def test_model_linears_go_through_the_cpu_paths(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(cpu_linear, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or kernel(x, w, b))
     with torch.inference_mode():
         for rows in (1, cpu_linear.MAX_ROWS + 4):
-            x = _case(rows, 40, 32, False, seed=rows)[0]
+            x = case(rows, 40, 32, False, seed=rows)[0]
             assert (kernel(x, layer.weight, layer.bias) is not None) == (rows <= cpu_linear.MAX_ROWS or onednn)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
     assert calls == [1, cpu_linear.MAX_ROWS + 4]  # every CPU call is offered to cpu_linear
@@ -142,7 +118,7 @@ def test_auto_takes_onednn_on_amd_and_mkl_elsewhere(vendor: str, chosen: str) ->
 @torch.inference_mode()
 def test_mkl_leaves_more_rows_to_f_linear_and_keeps_the_kernel_for_a_few(library) -> None:
     assert library("mkl") == "mkl"
-    x, w, b = _case(cpu_linear.MAX_ROWS + 1, 64, 32, True)
+    x, w, b = case(cpu_linear.MAX_ROWS + 1, 64, 32, True)
     assert cpu_linear.linear(x, w, b) is None  # layers.linear then calls F.linear: MKL
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     few = cpu_linear.linear(x[:2], w, b)
