@@ -1,14 +1,26 @@
-"""Inputs and the float64 oracle shared by the CPU linear tests (``test_cpu_linear.py``,
-``test_cpu_gemm.py``)."""
+"""Inputs, the float64 oracle and the library fixture shared by the CPU linear tests
+(``test_cpu_linear.py``, ``test_cpu_gemm.py``). Not a conftest.py: the tests' own
+``from conftest import ...`` must keep finding tests/conftest.py."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from siesta.model import cpu_linear
+
 UNIT = 2.0**-24  # fp32's unit roundoff
+
+
+@pytest.fixture
+def library():
+    """Sets this process's CPU matmul for one test, then puts the engine's choice back."""
+    before = cpu_linear.library()
+    yield cpu_linear.set_library
+    cpu_linear.set_library(before)
 
 
 def case(rows: int, n: int, k: int, bias: bool, seed: int = 0):

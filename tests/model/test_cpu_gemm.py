@@ -8,7 +8,7 @@ import ctypes
 
 import pytest
 import torch
-from linear_cases import at_thread_counts, case, within_dot_product_bound
+from linear_cases import at_thread_counts, case, library, within_dot_product_bound  # noqa: F401 (a fixture)
 
 from siesta.model import cpu_linear
 

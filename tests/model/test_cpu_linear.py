@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linear_cases import at_thread_counts, case, within_dot_product_bound
+from linear_cases import at_thread_counts, case, library, within_dot_product_bound  # noqa: F401 (a fixture)
 
 from siesta.model import cpu_linear
 from siesta.model.layers import linear
