@@ -31,7 +31,7 @@ from siesta.attention.base import AttentionMetadata, KVCache  # noqa: E402
 from siesta.attention.triton_attention import TritonAttention  # noqa: E402
 from siesta.model import triton_ops  # noqa: E402
 
-KERNEL_MODULES = ("siesta.attention.triton_attention", "siesta.attention.triton_kv_write", "siesta.model.triton_ops")
+KERNEL_MODULES = ("siesta.attention.triton_kernels", "siesta.attention.triton_kv_write", "siesta.model.triton_ops")
 # Host choices that differ on CUDA from a CPU call: compile what the GPU runs.
 CUDA_CONSTEXPRS = {"MEAN_BY_DIVISION": False, "USE_LIBDEVICE": True}
 TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size
@@ -155,7 +155,7 @@ def test_every_kernel_compiles_for_sm90(launches: list[dict]) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         _call_every_kernel(dtype)
     names = {launch["name"] for launch in launches}
-    expected = {"_unified_kernel", "_prefill_split_kernel", "_decode_split_kernel", "_reduce_splits_kernel",
+    expected = {"unified_kernel", "prefill_split_kernel", "decode_split_kernel", "reduce_splits_kernel",
                 "_write_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel"}  # fmt: skip
     assert expected <= names, f"not launched: {expected - names}"
     unique = list({json.dumps(launch, sort_keys=True): launch for launch in launches}.values())

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from siesta.attention import triton_attention as ta
+from siesta.attention import triton_tiles as tiling
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.torch_ref import TorchAttention
 
@@ -355,22 +356,22 @@ def check_correctness(results: Results, device: torch.device) -> None:
 
 
 def sweep_tiles(results: Results, device: torch.device) -> None:
-    """Time alternative tile shapes by swapping the module's tile tables."""
-    saved_prefill, saved_decode = dict(ta._PREFILL_TILES), dict(ta._DECODE_TILES)
+    """Time alternative tile shapes by swapping the entries of triton_tiles' tables."""
+    saved_prefill, saved_decode = dict(tiling.PREFILL_TILES), dict(tiling.DECODE_TILES)
     variants = prefill_variants(PREFILL_TOKENS, device)
     try:
         for block_m, block_n, warps, stages in PREFILL_SWEEP_TILES:
-            ta._PREFILL_TILES[HEAD_DIM] = ta.Tiles(block_m, block_n, warps, stages)
+            tiling.PREFILL_TILES[HEAD_DIM] = tiling.Tiles(block_m, block_n, warps, stages)
             ms = time_ms(variants["triton"])
             results.tile_sweep.append(
                 dict(kernel="prefill", tiles=[block_m, block_n, warps, stages],
                      tflops=causal_flops(PREFILL_TOKENS) / (ms * MS) / TERA)  # fmt: skip
             )
-        ta._PREFILL_TILES.update(saved_prefill)
+        tiling.PREFILL_TILES.update(saved_prefill)
         _sweep_decode(results, device)
     finally:
-        ta._PREFILL_TILES.update(saved_prefill)
-        ta._DECODE_TILES.update(saved_decode)
+        tiling.PREFILL_TILES.update(saved_prefill)
+        tiling.DECODE_TILES.update(saved_decode)
 
 
 def _sweep_decode(results: Results, device: torch.device) -> None:
@@ -379,7 +380,7 @@ def _sweep_decode(results: Results, device: torch.device) -> None:
     k_cache, v_cache = cache.layer(0)
     backend = ta.TritonAttention()
     for block_m, block_n, warps, stages in DECODE_SWEEP_TILES:
-        ta._DECODE_TILES[HEAD_DIM] = ta.Tiles(block_m, block_n, warps, stages)
+        tiling.DECODE_TILES[HEAD_DIM] = tiling.Tiles(block_m, block_n, warps, stages)
         for batch, ctx in cases:
             meta = make_meta([(ctx - 1, 1)] * batch, cache.num_blocks, device)
             q, _, _ = qkv(batch, device)

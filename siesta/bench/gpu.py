@@ -185,7 +185,7 @@ def _triton_variants() -> int:
     from triton.runtime.jit import JITFunction
 
     count = 0
-    for name in ("siesta.attention.triton_attention", "siesta.attention.triton_kv_write", "siesta.model.triton_ops",
+    for name in ("siesta.attention.triton_kernels", "siesta.attention.triton_kv_write", "siesta.model.triton_ops",
                  "siesta.core.staging"):
         try:
             module = importlib.import_module(name)

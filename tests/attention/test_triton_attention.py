@@ -25,19 +25,20 @@ triton = pytest.importorskip("triton")
 
 # @triton.jit reads TRITON_INTERPRET when a kernel is defined: modules imported
 # before the flag was set must be loaded again.
-for _name in ("siesta.attention.triton_kv_write", "siesta.attention.triton_attention"):
+_KERNEL_MODULES = (
+    "siesta.attention.triton_kv_write",
+    "siesta.attention.triton_kernels",
+    "siesta.attention.triton_attention",
+)
+for _name in _KERNEL_MODULES:
     if _name in sys.modules:
         importlib.reload(sys.modules[_name])
 
 from siesta.attention.base import AttentionMetadata, KVCache  # noqa: E402
 from siesta.attention.torch_ref import TorchAttention, write_kv  # noqa: E402
-from siesta.attention.triton_attention import (  # noqa: E402
-    TritonAttention,
-    choose_num_splits,
-    choose_prefill_splits,
-    prefill_block_q,
-)
+from siesta.attention.triton_attention import TritonAttention, prefill_block_q  # noqa: E402
 from siesta.attention.triton_kv_write import write_kv_triton  # noqa: E402
+from siesta.attention.triton_tiles import choose_num_splits, choose_prefill_splits  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])

@@ -12,7 +12,7 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from siesta import LLM  # noqa: E402
 from memory import resident_bytes  # noqa: E402
 
-ATTENTION_KERNELS = {"_unified_kernel", "_prefill_split_kernel", "_decode_split_kernel", "_reduce_splits_kernel"}
+ATTENTION_KERNELS = {"unified_kernel", "prefill_split_kernel", "decode_split_kernel", "reduce_splits_kernel"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts launches through the interpreter (CPU runs)")
