@@ -40,7 +40,6 @@ from siesta.attention import triton_kernels as kernels
 from siesta.attention import triton_tiles as tiling
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.triton_kv_write import write_kv_triton
-from siesta.attention.triton_tiles import MAX_HEAD_DIM, Tiles, choose_num_splits, choose_prefill_splits
 
 LOG2E = math.log2(math.e)
 
@@ -101,8 +100,8 @@ def _shapes(q: torch.Tensor, k_cache: torch.Tensor) -> _Shapes:
     num_kv_heads = k_cache.shape[2]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV heads")
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {head_dim} is not supported: at most {MAX_HEAD_DIM}")
+    if head_dim > tiling.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is not supported: at most {tiling.MAX_HEAD_DIM}")
     block_d = max(tiling.MIN_DOT_DIM, triton.next_power_of_2(head_dim))
     return _Shapes(num_q_heads, num_kv_heads, head_dim, num_q_heads // num_kv_heads, block_d)
 
@@ -117,7 +116,7 @@ def _decode_block_h(group: int) -> int:
     return max(tiling.MIN_DOT_DIM, triton.next_power_of_2(group))
 
 
-def _prefill_block_m(tiles: Tiles, group: int) -> int:
+def _prefill_block_m(tiles: tiling.Tiles, group: int) -> int:
     # A tile holds at least one token's whole group of query heads.
     return max(tiles.block_m, triton.next_power_of_2(group))
 
@@ -304,7 +303,8 @@ class TritonAttention:
         block_q = prefill_block_q(head_dim, num_q_heads // num_kv_heads, k_cache.dtype)
         starts = meta.query_start_loc_cpu
         q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_reqs)]
-        return choose_prefill_splits(q_lens, meta.seq_lens_cpu, block_q, num_kv_heads, tiling.device_sm_count(q.device))
+        sm_count = tiling.device_sm_count(q.device)
+        return tiling.choose_prefill_splits(q_lens, meta.seq_lens_cpu, block_q, num_kv_heads, sm_count)
 
     def split_prefill(
         self,
@@ -361,7 +361,7 @@ class TritonAttention:
     def num_splits(self, num_decodes: int, max_seq_len: int, num_kv_heads: int, device: torch.device) -> int:
         if self.decode_splits is not None:
             return self.decode_splits
-        return choose_num_splits(num_decodes, num_kv_heads, max_seq_len, tiling.device_sm_count(device))
+        return tiling.choose_num_splits(num_decodes, num_kv_heads, max_seq_len, tiling.device_sm_count(device))
 
     def decode(
         self,
