@@ -9,7 +9,9 @@ threads would share the cores with that team, which spins a while after every ma
 (this halved decode attention's time inside the engine).
 A prompt chunk is bound by compute: ``cpu_prefill.c`` attends every chunk of a step in one
 call, in register tiles, at 1.3-2.3x torch's flash SDPA (``python -m
-siesta.bench.cpu_prefill``), its tasks split with OpenMP.
+siesta.bench.cpu_prefill``), its tasks split with OpenMP. Its tiles are the build target's
+(AVX-512, AVX2, NEON), and so are the shapes it takes: the built library says which
+(``prefill_limits``).
 Both are built on first use (``siesta/c_kernels.py``). Without a compiler, or for shapes
 and dtypes they do not take, the torch path serves.
 """
@@ -26,13 +28,10 @@ import torch
 from siesta import c_kernels
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.torch_ref import TorchAttention
-from siesta.c_kernels import CFLAGS
+from siesta.c_kernels import CFLAGS, NATIVE
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 PREFILL_SOURCE = Path(__file__).with_name("cpu_prefill.c")
-# cpu_prefill.c's ROWS and DIM_TILE: a task's query rows hold at least one token's group, and
-# head_dim is covered by whole register tiles.
-PREFILL_MAX_GROUP, PREFILL_DIM_TILE = 48, 64
 # The kernel's stack buffers (MAX_Q_HEADS, MAX_STATE, MAX_BLOCK in cpu_decode.c): a row's query
 # heads, its query heads x head_dim, the block size.
 MAX_Q_HEADS, MAX_STATE, MAX_BLOCK = 128, 8192, 128
@@ -63,9 +62,10 @@ _PREFILL_ARGTYPES = [
 
 
 @functools.cache
-def load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per source, flags and CPU; None without a C compiler."""
-    return build_kernel(SOURCE.read_bytes())
+def load_kernel(march: str = NATIVE) -> ctypes.CDLL | None:
+    """The compiled decode kernel for ``march`` (the engine's: this machine's), built once per
+    source, flags and ISA; None without a C compiler or where it does not build."""
+    return build_kernel(SOURCE.read_bytes(), c_kernels.with_march(CFLAGS, march))
 
 
 def build_kernel(source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL | None:
@@ -86,13 +86,26 @@ def build_kernel(source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL 
 
 
 @functools.cache
-def load_prefill_kernel() -> ctypes.CDLL | None:
-    """The compiled prefill kernel (``cpu_prefill.c``); None without a C compiler."""
-    lib = c_kernels.build("cpu_prefill", PREFILL_SOURCE.read_bytes())
+def load_prefill_kernel(march: str = NATIVE) -> ctypes.CDLL | None:
+    """The compiled prefill kernel (``cpu_prefill.c``) for ``march``; None without a C compiler
+    or where it does not build."""
+    lib = c_kernels.build("cpu_prefill", PREFILL_SOURCE.read_bytes(), c_kernels.with_march(CFLAGS, march))
     if lib is not None:
         lib.paged_prefill.argtypes = _PREFILL_ARGTYPES
         lib.paged_prefill.restype = ctypes.c_int
+        for limit in ("prefill_max_group", "prefill_dim_tile"):
+            getattr(lib, limit).argtypes = []
+            getattr(lib, limit).restype = ctypes.c_int
+        # A task's query rows (ROWS) hold at least one token's group; head_dim is covered by
+        # whole register tiles (DIM_TILE). Both are the build target's.
+        lib.limits = (lib.prefill_max_group(), lib.prefill_dim_tile())
     return lib
+
+
+def prefill_limits(lib: ctypes.CDLL) -> tuple[int, int]:
+    """``(max_group, dim_tile)`` of a prefill build: it takes group <= max_group and head_dim a
+    multiple of dim_tile (48 and 64 under AVX-512, 24 and 16 under AVX2)."""
+    return lib.limits
 
 
 def _ptr(t: torch.Tensor, kind):
@@ -102,9 +115,11 @@ def _ptr(t: torch.Tensor, kind):
 class CpuAttention(TorchAttention):
     name = "cpu"
 
-    def __init__(self, num_threads: int | None = None, kernel: ctypes.CDLL | None = None) -> None:
+    def __init__(self, num_threads: int | None = None, kernel: ctypes.CDLL | None = None,
+                 prefill_kernel: ctypes.CDLL | None = None) -> None:  # fmt: skip
         self.num_threads = num_threads or torch.get_num_threads()
         self.kernel = kernel  # None: load_kernel()'s (a benchmark passes another build)
+        self.prefill_kernel = prefill_kernel  # None: load_prefill_kernel()'s
         self._pool: ThreadPoolExecutor | None = None  # only for past builds without paged_decode_parts
         # Per kind ("decode", "prefill"): (meta, rows, arrays) of the step the layers are in.
         self._steps: dict[str, tuple] = {}
@@ -141,8 +156,8 @@ class CpuAttention(TorchAttention):
 
     def _prefill_rows(self, q, k, v, kv_cache, layer_idx, meta, scale, rows: list[int], out: torch.Tensor) -> None:
         k_cache, v_cache = kv_cache.layer(layer_idx)
-        lib = load_prefill_kernel()
-        if lib is None or not self._takes_prefill(q, k_cache, out):
+        lib = self.prefill_kernel or load_prefill_kernel()
+        if lib is None or not self._takes_prefill(q, k_cache, out, lib):
             super()._prefill_rows(q, k, v, kv_cache, layer_idx, meta, scale, rows, out)
             return
         req, q_start, q_len, ctx_len, tables = self._prefill_arrays(meta, rows)
@@ -218,11 +233,12 @@ class CpuAttention(TorchAttention):
         return fp32 and unit and fits
 
     @staticmethod
-    def _takes_prefill(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
+    def _takes_prefill(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor, lib: ctypes.CDLL) -> bool:
         fp32 = q.dtype == k_cache.dtype == out.dtype == torch.float32
         unit = q.stride(-1) == 1 and out.stride(-1) == 1 and k_cache.stride(-1) == 1
         group, head_dim = q.shape[1] // k_cache.shape[2], q.shape[2]
-        return fp32 and unit and group <= PREFILL_MAX_GROUP and head_dim % PREFILL_DIM_TILE == 0
+        max_group, dim_tile = prefill_limits(lib)
+        return fp32 and unit and group <= max_group and head_dim % dim_tile == 0
 
 
 def _contiguous_tables(meta: AttentionMetadata) -> torch.Tensor:

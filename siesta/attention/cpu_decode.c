@@ -72,7 +72,7 @@ static inline __attribute__((always_inline)) void decode_row(
     const int q_heads = kv_heads * group;
     float qs[MAX_STATE], acc[MAX_STATE]; /* [q_heads][head_dim] */
     float m[MAX_Q_HEADS], l[MAX_Q_HEADS];
-    float s[MAX_BLOCK];
+    float s[MAX_BLOCK], pv[MAX_STATE]; /* a block's weights, its weighted values (head_dim) */
 
     for (int hq = 0; hq < q_heads; hq++) {
         for (int d = 0; d < head_dim; d++) {
@@ -123,22 +123,26 @@ static inline __attribute__((always_inline)) void decode_row(
             l[hq] = l[hq] * alpha + sum;
             m[hq] = m_new;
 
-            /* Values PV_KEYS at a time: a[] is loaded and stored once per PV_KEYS keys, not
-             * once per key (a chain through memory that bounded this loop). */
+            /* The block's values are summed apart, PV_KEYS keys at a time (pv[] is loaded and
+             * stored once per PV_KEYS keys, not once per key: a chain through memory that
+             * bounded this loop), and added to the rescaled accumulator once: summed into it
+             * directly, each key would be rounded against the sum of the whole context before
+             * it, an error that grows with the context (5x torch's at 4,096 keys). */
             prefetch_lines(vn, ahead_floats, from, to);
-            for (int d = 0; d < head_dim; d++) a[d] *= alpha;
+            for (int d = 0; d < head_dim; d++) pv[d] = 0.0f;
             int t = 0;
             for (; t + PV_KEYS <= n; t += PV_KEYS) {
                 const float *v0 = vh + t * slot_stride, *v1 = v0 + slot_stride;
                 const float *v2 = v1 + slot_stride, *v3 = v2 + slot_stride;
                 const float w0 = s[t], w1 = s[t + 1], w2 = s[t + 2], w3 = s[t + 3];
-                for (int d = 0; d < head_dim; d++) a[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
+                for (int d = 0; d < head_dim; d++) pv[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
             }
             for (; t < n; t++) {
                 const float *vrow = vh + t * slot_stride;
                 const float w = s[t];
-                for (int d = 0; d < head_dim; d++) a[d] += w * vrow[d];
+                for (int d = 0; d < head_dim; d++) pv[d] += w * vrow[d];
             }
+            for (int d = 0; d < head_dim; d++) a[d] = a[d] * alpha + pv[d];
         }
     }
     for (int hq = 0; hq < q_heads; hq++) {

@@ -6,18 +6,22 @@
  * gathers its context and builds a mask. Here a task is ROWS query rows that share a KV head
  * (a tile of tokens times the group's query heads), with the queries packed transposed once,
  * Qt [head_dim][ROWS]. Per chunk of KEYS keys, read where they lie:
- *   S [key][row] = K Qt in KT x 3-vector register tiles (a broadcast key element times the
+ *   S [key][row] = K Qt in KT x ROW_VECS register tiles (a broadcast key element times the
  *     rows' vectors), so the online softmax then runs across rows in vectors too: a row's
  *     max, rescale and sum never need a reduction across lanes;
- *   O = alpha O + P V in MR x 64 register tiles (a broadcast weight times 4 value vectors).
- * The vectors are gcc's vector extension, which lowers to what -march=native has (one zmm or
- * two ymm a vector). fp32 throughout; the sums run in another order than torch's (a few ulp).
+ *   O = alpha O + P V in MR x DIM_VECS register tiles (a broadcast weight times DIM_VECS value
+ *     vectors). The chunk's P V is summed apart and then added to the rescaled O: summed into
+ *     O itself, each of a long context's keys would be rounded against the sum of all before
+ *     it, and the error would grow with the context (measured: 10x torch's at 4,096 keys).
+ * The vectors are gcc's vector extension, their width and the tiles the target's (below), so
+ * that the tiles fill its vector registers without spilling. fp32 throughout; the sums run in
+ * another order than torch's (a few ulp).
  *
  * Tasks (a request's tile of tokens and one KV head) are split over OpenMP threads, a
  * prompt's last tokens (which see the most keys) first, so the threads finish together.
  * The caller keeps head_dim a multiple of DIM_TILE and group at most ROWS (cpu_attention.py's
- * _takes_prefill). Returns 0, or -1 where a thread's buffers could not be allocated (the
- * caller then takes the torch path).
+ * _takes_prefill, from prefill_dim_tile() and prefill_max_group()). Returns 0, or -1 where a
+ * thread's buffers could not be allocated (the caller then takes the torch path).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,16 +29,52 @@
 
 #include "exp_nonpositive.h"
 
-typedef float vf __attribute__((vector_size(64)));
-typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
-#define VL 16        /* floats in a vector */
-#define ROWS 48      /* query rows of a task (its tokens x the group, padded): 3 vectors */
-#define ROW_VECS (ROWS / VL)
-#define KT 8         /* keys of a score register tile: KT x ROW_VECS accumulators */
-#define KEYS 64      /* keys per chunk */
-#define MR 6         /* rows of a P V register tile: MR x 4 accumulators */
-#define DIM_TILE 64  /* head_dim columns of a P V register tile: 4 vectors */
+/* Per target: VL floats a vector; KT x ROW_VECS score accumulators + ROW_VECS query vectors
+ * + a broadcast key element, and MR x DIM_VECS value accumulators + DIM_VECS value vectors +
+ * a broadcast weight, each within the vector registers. (The AVX-512 tiles built for AVX2,
+ * each 64-byte vector two ymm, are twice its 16 registers: 7 GFLOP/s against 150.) */
+#if defined(__AVX512F__)
+#define VL 16      /* one zmm, 32 registers */
+#define ROW_VECS 3 /* 48 rows */
+#define KT 8       /* 24 + 3 + 1 */
+#define MR 6
+#define DIM_VECS 4 /* 24 + 4 + 1; 64 columns */
+#elif defined(__AVX2__)
+#define VL 8       /* one ymm, 16 registers */
+#define ROW_VECS 3 /* 24 rows */
+#define KT 4       /* 12 + 3 + 1 */
+#define MR 6
+#define DIM_VECS 2 /* 12 + 2 + 1; 16 columns */
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#define VL 4       /* one q register, 32 registers */
+#define ROW_VECS 4 /* 16 rows */
+#define KT 6       /* 24 + 4 + 1 */
+#define MR 4
+#define DIM_VECS 4 /* 16 + 4 + 1; 16 columns */
+#define KEYS 48    /* whole score tiles */
+#else
+#define VL 4       /* 16 bytes: SSE2's 16 registers on x86-64 */
+#define ROW_VECS 3 /* 12 rows */
+#define KT 4       /* 12 + 3 + 1 */
+#define MR 6
+#define DIM_VECS 2 /* 12 + 2 + 1; 8 columns */
+#endif
+#define ROWS (ROW_VECS * VL)     /* query rows of a task (its tokens x the group, padded) */
+#define DIM_TILE (DIM_VECS * VL) /* head_dim columns of a P V register tile */
+#ifndef KEYS
+#define KEYS 64 /* keys per chunk */
+#endif
 #define BUFFER_ALIGN 64
+_Static_assert(ROWS % MR == 0, "the P V tiles cover a task's rows");
+_Static_assert(KEYS % KT == 0, "a chunk's keys are whole score tiles");
+
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+typedef float vf_unaligned __attribute__((vector_size(VL * sizeof(float)), aligned(sizeof(float))));
+
+/* The build's limits, for the caller (cpu_attention.py): a group of query heads a KV head at
+ * most, and what head_dim must be a multiple of. */
+int prefill_max_group(void) { return ROWS; }
+int prefill_dim_tile(void) { return DIM_TILE; }
 
 static inline vf load(const float *p) { return *(const vf_unaligned *)p; }
 static inline void store(float *p, vf x) { *(vf_unaligned *)p = x; }
@@ -46,42 +86,45 @@ static inline __attribute__((always_inline)) void scores_tile(const float *const
     vf acc[KT][ROW_VECS] = {{0}};
     for (int d = 0; d < head_dim; d++) {
         vf b[ROW_VECS];
+#pragma GCC unroll 8
         for (int x = 0; x < ROW_VECS; x++) b[x] = load(qt + d * ROWS + x * VL);
 #pragma GCC unroll 8
         for (int j = 0; j < KT; j++) {
             const float a = krows[j][d];
+#pragma GCC unroll 8
             for (int x = 0; x < ROW_VECS; x++) acc[j][x] += a * b[x];
         }
     }
 #pragma GCC unroll 8
     for (int j = 0; j < KT; j++)
+#pragma GCC unroll 8
         for (int x = 0; x < ROW_VECS; x++) store(s + j * ROWS + x * VL, acc[j][x]);
 }
 
-/* O[r][dc:dc+64] = alpha[r] O[r][dc:dc+64] + sum_j P[j][r] V[j][dc:dc+64] for MR rows. */
+/* O[r][dc:dc+DIM_TILE] = alpha[r] O[r][dc:dc+DIM_TILE] + sum_j P[j][r] V[j][dc:dc+DIM_TILE] for MR rows. */
 static inline __attribute__((always_inline)) void values_tile(const float *p, const float *const *vrows, int keys,
                                                              const float *alpha, float *o, int dc,
                                                              const int head_dim)
 {
-    vf acc[MR][4];
-#pragma GCC unroll 6
-    for (int r = 0; r < MR; r++)
-        for (int x = 0; x < 4; x++) acc[r][x] = load(o + r * head_dim + dc + x * VL) * alpha[r];
+    vf acc[MR][DIM_VECS] = {{0}};
     for (int j = 0; j < keys; j++) {
         const float *v = vrows[j] + dc;
-        const vf v0 = load(v), v1 = load(v + VL), v2 = load(v + 2 * VL), v3 = load(v + 3 * VL);
-#pragma GCC unroll 6
+        vf vv[DIM_VECS];
+#pragma GCC unroll 8
+        for (int x = 0; x < DIM_VECS; x++) vv[x] = load(v + x * VL);
+#pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
             const float w = p[j * ROWS + r];
-            acc[r][0] += w * v0;
-            acc[r][1] += w * v1;
-            acc[r][2] += w * v2;
-            acc[r][3] += w * v3;
+#pragma GCC unroll 8
+            for (int x = 0; x < DIM_VECS; x++) acc[r][x] += w * vv[x];
         }
     }
-#pragma GCC unroll 6
-    for (int r = 0; r < MR; r++)
-        for (int x = 0; x < 4; x++) store(o + r * head_dim + dc + x * VL, acc[r][x]);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; r++) {
+        float *orow = o + r * head_dim + dc;
+#pragma GCC unroll 8
+        for (int x = 0; x < DIM_VECS; x++) store(orow + x * VL, load(orow + x * VL) * alpha[r] + acc[r][x]);
+    }
 }
 
 /* The online-softmax step of a chunk of `keys` scores S[j][r], all rows at once (the loops

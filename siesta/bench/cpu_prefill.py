@@ -1,6 +1,6 @@
 """CPU prefill attention: torch's flash SDPA (the torch path) against the compiled kernel.
 
-    python -m siesta.bench.cpu_prefill [--rounds 5] [--json out.json]
+    python -m siesta.bench.cpu_prefill [--rounds 5] [--march x86-64-v3] [--json out.json]
 
 fp32, block size 16, a block-first cache on shuffled block ids, every request's K/V already
 in it (as after the step's writes). The cases are the chunks a step attends: whole prompts
@@ -9,6 +9,10 @@ prefill-heavy mix, at SmolLM2-135M's heads (9 query, 3 KV, head_dim 64, 30 layer
 prompt at Llama-3-8B's (32 query, 8 KV, head_dim 128, a few layers). Each arm attends every
 layer once per round; arms take turns, so machine noise hits them alike, and the medians over
 rounds are reported with the causal GFLOP/s (4 x heads x head_dim per query-key pair seen).
+
+``--march`` builds the kernel for another target than this machine (``x86-64-v3``: AVX2 and
+FMA, as on CPUs without AVX-512). ``MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2``
+hold torch's flash SDPA (MKL's sgemm and ATen's vectorized softmax) to the same.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.cpu_attention import CpuAttention, load_prefill_kernel
 from siesta.attention.torch_ref import TorchAttention
 from siesta.bench.common import machine, print_table, write_json
+from siesta.c_kernels import NATIVE
+from siesta.cpu_info import isa_limits
 
 BLOCK_SIZE = 16
 SEED = 0
@@ -98,13 +104,13 @@ def causal_flops(case: Case) -> float:
     return 4 * case.q_heads * case.head_dim * pairs
 
 
-def time_case(case: Case, rounds: int) -> dict[str, Any]:
+def time_case(case: Case, rounds: int, march: str = NATIVE) -> dict[str, Any]:
     q, cache, meta = step(case, SEED)
     rows, scale = list(range(meta.num_reqs)), case.head_dim**-0.5
     # The new tokens' K/V of every layer, as the torch path takes them beside the cache.
     slots = _new_slots(meta, cache.block_size)
     new_kv = [[c.reshape(-1, *c.shape[2:])[slots] for c in cache.layer(layer)] for layer in range(case.layers)]
-    backends = {"torch": TorchAttention(), "kernel": CpuAttention()}
+    backends = {"torch": TorchAttention(), "kernel": CpuAttention(prefill_kernel=load_prefill_kernel(march))}
     outs = {name: torch.empty_like(q) for name in ARMS}
 
     def all_layers(name: str) -> None:
@@ -130,23 +136,26 @@ def time_case(case: Case, rounds: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run(rounds: int) -> dict[str, Any]:
-    if load_prefill_kernel() is None:
+def run(rounds: int, march: str = NATIVE) -> dict[str, Any]:
+    if load_prefill_kernel(march) is None:
         raise SystemExit("the prefill kernel did not build (see the log): nothing to compare")
-    return {"machine": machine(), "rounds": rounds, "threads": torch.get_num_threads(),
-            "cases": {case.name: time_case(case, rounds) for case in CASES}}  # fmt: skip
+    return {"machine": machine(), "rounds": rounds, "threads": torch.get_num_threads(), "march": march,
+            "isa_limits": isa_limits(),
+            "cases": {case.name: time_case(case, rounds, march) for case in CASES}}  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
+    p.add_argument("--march", default=NATIVE, help="the kernel's target (gcc's -march), e.g. x86-64-v3 for AVX2")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
-    result = run(args.rounds)
+    result = run(args.rounds, args.march)
     rows = [[name, c["arms"]["torch"]["ms_per_layer"], c["arms"]["kernel"]["ms_per_layer"],
              c["arms"]["torch"]["gflops"], c["arms"]["kernel"]["gflops"], c["x_vs_torch"], c["max_abs_diff"]]
             for name, c in result["cases"].items()]  # fmt: skip
-    print_table(f"prefill attention, fp32, {result['threads']} threads (medians of {args.rounds} rounds)",
+    print_table(f"prefill attention, fp32, {result['threads']} threads, kernel for -march={args.march} "
+                f"(medians of {args.rounds} rounds)",
                 ["case", "torch ms/layer", "kernel ms/layer", "torch GFLOP/s", "kernel GFLOP/s", "x torch",
                  "max |diff|"], rows)  # fmt: skip
     write_json(args.json, result)

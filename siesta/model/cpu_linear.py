@@ -4,13 +4,18 @@ steps, small mixed steps), MKL's or oneDNN's matmul for more.
 Over a model's layers, a product of a few dozen rows streams every weight from memory and
 does little work per weight. The BLAS libraries first wait for the weights and then
 compute. The kernel (``linear_tiled`` in ``cpu_gemm.c``) prefetches the next weights while
-it computes, so the two overlap. On the 2-core EPYC (AVX-512, ~190 GFLOP/s fp32, 25 GB/s
-from memory), over SmolLM2's 30 layers with weights cold as in a step, it runs:
+it computes, so the two overlap. Its vector width and register tiles are the build target's
+(AVX-512, AVX2, NEON); in_features must be a whole number of its vectors (``gemm_vec``). On
+the 2-core EPYC (AVX-512, ~190 GFLOP/s fp32, 25 GB/s from memory), over SmolLM2's 30 layers
+with weights cold as in a step, it runs:
 - 1-8 rows, reading the weights at 23-28 GB/s, where oneDNN reads them at 11-15;
 - 32 rows at 156 GFLOP/s against oneDNN's 107 and MKL's 78;
 - 128 rows at 182 GFLOP/s against oneDNN's 163.
 ``python -m siesta.bench.cpu_linear`` times the paths, in cache and cold
-(``bench/results/cpu-linear-amd-epyc-2core-2026-12-04.json``).
+(``bench/results/cpu-linear-amd-epyc-2core-2026-12-04.json``). Built for AVX2 (x86-64-v3) on
+the 2-core Xeon, against MKL and oneDNN held to AVX2, cold: 84 GFLOP/s at 8 rows against 44,
+153 at 32 against 108, even at 128 (195); in cache MKL's is ahead at 1 row (85 against 50)
+and at 128 (0.92-1.0x) (``...-intel-xeon-2core-2026-12-04-avx2.json``).
 
 Past ``MAX_ROWS`` the product is compute-bound, and which library is faster depends on the CPU:
 - on the 2-core AMD EPYC, MKL's sgemm (what ``F.linear`` calls) takes a generic code path
@@ -35,7 +40,7 @@ from pathlib import Path
 import torch
 
 from siesta import c_kernels
-from siesta.c_kernels import CFLAGS
+from siesta.c_kernels import CFLAGS, NATIVE
 from siesta.config import CPU_MATMULS
 from siesta.cpu_info import cpu_vendor
 
@@ -43,11 +48,15 @@ SOURCE = Path(__file__).with_name("cpu_gemm.c")
 # Its sums are written out as vectors; without reassociation the compiler keeps each one's
 # order as written, the same in every row count's inlined copy (a row's bits, whatever its batch).
 FLAGS = tuple(f for f in CFLAGS if f != "-fassociative-math")
-# Rows up to which the kernel serves. On the EPYC it is ahead of oneDNN up to ~256 rows on
-# the layers' matrices, and up to ~128 on the output head's; past that oneDNN's packed
-# panels win.
-MAX_ROWS = 128
 _AMD_VENDOR = "AuthenticAMD"
+# Rows up to which the kernel serves, where it beats the library. On the 2-core EPYC it is
+# ahead of oneDNN up to ~256 rows on the layers' matrices and ~128 on the output head's. On the
+# 2-core Xeon (AVX-512) it leads MKL at 32 rows (202 against 148 GFLOP/s, weights cold) and
+# trails it at 128 (257 against 273): MKL's AVX-512 sgemm is the better one there sooner
+# (bench/results/cpu-linear-intel-xeon-2core-2026-12-04-native.json).
+_MAX_ROWS_BY_VENDOR = {_AMD_VENDOR: 128}
+_MAX_ROWS_DEFAULT = 64
+MAX_ROWS = _MAX_ROWS_BY_VENDOR.get(cpu_vendor(), _MAX_ROWS_DEFAULT)
 _library: str | None = None  # of products past MAX_ROWS: set_library's choice (None: auto's, when first asked)
 
 
@@ -122,22 +131,30 @@ _TILED_ARGTYPES = [
 
 
 @functools.cache
-def load_gemm() -> ctypes.CDLL | None:
-    """The compiled kernel (``cpu_gemm.c``), built once per source, flags and CPU; None without a C compiler."""
-    lib = c_kernels.build("cpu_gemm", SOURCE.read_bytes(), FLAGS)
+def load_gemm(march: str = NATIVE) -> ctypes.CDLL | None:
+    """The compiled kernel (``cpu_gemm.c``) for ``march`` (the engine's: this machine's), built
+    once per source, flags and ISA; None without a C compiler or where it does not build."""
+    lib = c_kernels.build("cpu_gemm", SOURCE.read_bytes(), c_kernels.with_march(FLAGS, march))
     if lib is not None:
         lib.linear_tiled.argtypes = _TILED_ARGTYPES
         lib.linear_tiled.restype = ctypes.c_int
+        lib.gemm_vec.argtypes = []
+        lib.gemm_vec.restype = ctypes.c_int
+        lib.vec = lib.gemm_vec()  # floats a vector: 16 under AVX-512, 8 under AVX2, 4 on NEON
     return lib
 
 
-def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 lib: ctypes.CDLL | None = None) -> torch.Tensor | None:  # fmt: skip
     """The kernel's ``F.linear(x, weight, bias)`` (fp32, 2-d x with contiguous rows, a contiguous
-    weight); None without a compiler or where in_features is not a whole number of vectors."""
-    lib = load_gemm()
+    weight); None without a compiler or where in_features is not a whole number of the build's
+    vectors. ``lib``: another build than ``load_gemm()``'s (a test's or a benchmark's)."""
+    lib = lib or load_gemm()
     if lib is None:
         return None
     n, k = weight.shape
+    if k == 0 or k % lib.vec:
+        return None
     y = torch.empty((x.shape[0], n), dtype=torch.float32)
     if lib.linear_tiled(_ptr(x), x.stride(0), x.shape[0], _ptr(weight), k, n, _ptr(bias), _ptr(y), y.stride(0)):
         return None

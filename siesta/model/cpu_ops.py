@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from siesta import c_kernels
-from siesta.c_kernels import CFLAGS
+from siesta.c_kernels import CFLAGS, NATIVE
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
 # No fused multiply-adds and no reassociation (which would regroup products as well as
@@ -31,8 +31,10 @@ _SIGNATURES = {
 
 
 @functools.cache
-def load_ops() -> ctypes.CDLL | None:
-    lib = c_kernels.build("cpu_ops", SOURCE.read_bytes(), FLAGS)
+def load_ops(march: str = NATIVE) -> ctypes.CDLL | None:
+    """The compiled ops for ``march`` (the engine's: this machine's); None without a C compiler
+    or where they do not build."""
+    lib = c_kernels.build("cpu_ops", SOURCE.read_bytes(), c_kernels.with_march(FLAGS, march))
     if lib is not None:
         for name, argtypes in _SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes

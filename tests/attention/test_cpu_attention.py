@@ -1,4 +1,6 @@
-"""CPU attention: the compiled decode kernel against dense attention, its fallbacks, and the default backend."""
+"""CPU attention: the compiled decode kernel against dense attention, its fallbacks, and the default
+backend. Every test runs on each build the machine can run (c_marches.MARCHES: native, and AVX2
+on x86-64)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import random
 
 import pytest
 import torch
+from c_marches import MARCHES, kernel_for, serving
 from paged_batch import KV_HEADS, LAYER, decode_batch, dense_decode, require_kernel
 
 from siesta.attention import cpu_attention
@@ -30,9 +33,17 @@ def _run(backend, q, cache, meta, rows=None) -> torch.Tensor:
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernel_built() -> None:
-    require_kernel(load_kernel)
+@pytest.fixture(scope="module", params=MARCHES)
+def lib(request: pytest.FixtureRequest):
+    """The build for ``request.param``, which CpuAttention then calls too."""
+    require_kernel(lambda: load_kernel(request.param))
+    with serving(cpu_attention, "load_kernel", kernel_for(request.param, load_kernel)) as built:
+        yield built
+
+
+@pytest.fixture(autouse=True)
+def _each_build(lib: ctypes.CDLL) -> None:
+    """Every test below, once per build."""
 
 
 # (2, 24, 7): a head_dim with no unrolled copy, not a multiple of the vector width, and blocks
@@ -55,9 +66,9 @@ class _PastBuild:
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_a_past_build_splits_rows_over_python_threads(threads: int) -> None:
+def test_a_past_build_splits_rows_over_python_threads(threads: int, lib: ctypes.CDLL) -> None:
     q, cache, meta = decode_batch([40, 3, 77, 16, 1, 25], seed=threads, group=3, head_dim=64, block=16)
-    backend = CpuAttention(num_threads=threads, kernel=_PastBuild(load_kernel()))
+    backend = CpuAttention(num_threads=threads, kernel=_PastBuild(lib))
     out = _run(backend, q, cache, meta)
     torch.testing.assert_close(out, dense_decode(q, cache, meta, 64**-0.5), rtol=1e-5, atol=1e-5)
     assert backend._pool is not None  # the Python threads served it
@@ -93,8 +104,7 @@ def test_extreme_score_gaps() -> None:
     torch.testing.assert_close(out, dense_decode(q, cache, meta, 1.0), rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_exp_is_within_two_ulp_and_zero_at_the_far_end() -> None:
-    lib = load_kernel()
+def test_kernel_exp_is_within_two_ulp_and_zero_at_the_far_end(lib: ctypes.CDLL) -> None:
     lib.decode_exp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.decode_exp.restype = None
 
@@ -140,15 +150,15 @@ def test_without_a_compiler_the_torch_path_serves(monkeypatch: pytest.MonkeyPatc
         assert load_kernel() is None
     finally:
         load_kernel.cache_clear()
-    monkeypatch.setattr(cpu_attention, "load_kernel", lambda: None)
+    monkeypatch.setattr(cpu_attention, "load_kernel", lambda march=None: None)
     q, cache, meta = decode_batch([5, 40, 13], seed=4)
     torch.testing.assert_close(_run(CpuAttention(), q, cache, meta), dense_decode(q, cache, meta, q.shape[-1] ** -0.5),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
-def test_loading_the_kernel_keeps_subnormal_floats() -> None:
+def test_loading_the_kernel_keeps_subnormal_floats(lib: ctypes.CDLL) -> None:
     """A library built with -ffast-math would switch the whole process to flush-to-zero."""
-    assert load_kernel() is not None
+    assert lib is not None
     tiny = 5e-324  # the smallest subnormal double
     assert tiny * 1.0 > 0.0 and 2.2250738585072014e-308 / 2 > 0.0
     assert torch.tensor(1e-40, dtype=torch.float32).item() > 0.0

@@ -1,6 +1,7 @@
-"""``cpu_gemm.c``'s ``linear_tiled`` against a float64 oracle: every tail of its 6-row passes and
-4-row weight tiles, strided rows, bias, thread counts, a row's bits whatever batch it is in,
-what it refuses, and weights read as they are now."""
+"""``cpu_gemm.c``'s ``linear_tiled`` against a float64 oracle: every tail of its passes of rows
+(6 under AVX-512, 2 under AVX2) and 4-row weight tiles, strided rows, bias, thread counts, a
+row's bits whatever batch it is in, what it refuses, and weights read as they are now. Every
+test runs on each build the machine can run (c_marches.MARCHES: native, and AVX2 on x86-64)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import ctypes
 
 import pytest
 import torch
+from c_marches import MARCHES, kernel_for, serving
 from linear_cases import at_thread_counts, case, library, within_dot_product_bound  # noqa: F401 (a fixture)
 
 from siesta.model import cpu_linear
@@ -15,11 +17,16 @@ from siesta.model import cpu_linear
 _F32P = ctypes.POINTER(ctypes.c_float)
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    built = cpu_linear.load_gemm()
-    assert built is not None, "the CPU machines have a C compiler: the kernel must build"
-    return built
+@pytest.fixture(scope="module", params=MARCHES)
+def lib(request: pytest.FixtureRequest):
+    """The build for ``request.param``, which cpu_linear's own paths then call too."""
+    with serving(cpu_linear, "load_gemm", kernel_for(request.param, cpu_linear.load_gemm)) as built:
+        yield built
+
+
+@pytest.fixture(autouse=True)
+def _each_build(lib: ctypes.CDLL) -> None:
+    """Every test below, once per build."""
 
 
 def _call(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, y: torch.Tensor) -> int:
@@ -28,7 +35,7 @@ def _call(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | 
 
 
 # Rows: one pass and every tail of it (1-5), several passes with and without a tail; n: whole
-# tiles and tails of 1-3 features; k: one vector, SmolLM2's two widths.
+# tiles and tails of 1-3 features; k: one AVX-512 vector (two AVX2 ones), SmolLM2's two widths.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 37, 64, 128])
 @pytest.mark.parametrize("n,k,bias", [(4, 16, False), (7, 576, True), (962, 576, False), (45, 1536, True)])
 def test_within_the_dot_product_bound_of_float64(rows: int, n: int, k: int, bias: bool) -> None:
@@ -74,8 +81,9 @@ def test_a_nan_weight_row_spoils_only_its_own_outputs() -> None:
     assert not bool(others.isnan().any())
 
 
-@pytest.mark.parametrize("k", [0, 8, 77])
-def test_in_features_that_are_not_whole_vectors_are_refused_untouched(lib: ctypes.CDLL, k: int) -> None:
+@pytest.mark.parametrize("vectors", [0, 0.5, 4.8])
+def test_in_features_that_are_not_whole_vectors_are_refused_untouched(lib: ctypes.CDLL, vectors: float) -> None:
+    k = int(vectors * lib.vec)
     x, w, b = case(3, 8, k, True)
     y = torch.full((3, 8), 5.0)
     assert _call(lib, x, w, b, y) == -1

@@ -27,7 +27,7 @@ def test_matches_f_linear(rows: int, n: int, k: int, bias: bool) -> None:
 
 @torch.inference_mode()
 def test_in_features_the_kernel_does_not_take_go_to_the_library(library) -> None:
-    x, w, b = case(3, 40, 77, True)  # 77: not a whole number of 16-float vectors
+    x, w, b = case(3, 40, 77, True)  # 77: not a whole number of vectors (of 16, 8 or 4 floats)
     assert cpu_linear.linear_tiled(x, w, b) is None
     assert library("mkl") == "mkl"
     assert cpu_linear.linear(x, w, b) is None  # layers.linear then calls F.linear

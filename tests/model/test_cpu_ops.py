@@ -4,14 +4,18 @@ SiLU-and-multiply) against the torch code they replace, through the layers that 
 Rotary and the products must match torch bit for bit. RMSNorm's fp32 sum of squares may
 round differently in another order: on inputs on a 1/16 grid every partial sum is exact, so
 there it too must match bit for bit; random inputs agree within that sum's error. SiLU's exp
-is the kernel's own (within a few ulp of torch's).
+is the kernel's own (within a few ulp of torch's). Every test runs on each build the machine
+can run (c_marches.MARCHES: native, and AVX2 on x86-64): the rounding rules hold for each.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
+from c_marches import MARCHES, kernel_for, serving
 
 from siesta.model import cpu_ops
 from siesta.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
@@ -20,6 +24,18 @@ pytestmark = pytest.mark.skipif(cpu_ops.load_ops() is None, reason="no C compile
 
 EPS = 1e-6
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+@pytest.fixture(scope="module", params=MARCHES)
+def lib(request: pytest.FixtureRequest):
+    """The build for ``request.param``, which the layers then call."""
+    with serving(cpu_ops, "load_ops", kernel_for(request.param, cpu_ops.load_ops)) as built:
+        yield built
+
+
+@pytest.fixture(autouse=True)
+def _each_build(lib: ctypes.CDLL) -> None:
+    """Every test below, once per build."""
 
 
 def _gen(seed: int) -> torch.Generator:
