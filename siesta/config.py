@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,8 +25,13 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 WEIGHT_BACKUP_MODES = ("auto", "background", "first_sleep")
+# Who drives the engine: the offline LLM class in the caller's process, or the API server
+# (vLLM's UsageContext): the step budget's default, and the cores left to the API server,
+# depend on it.
+USAGE_CONTEXTS = ("llm", "api_server")
+STEP_TRACE_ENV = "SIESTA_STEP_TRACE"
+HEAD_FP32_NAMES = ("float32", "fp32")
 
 
 class ConfigError(ValueError):
@@ -56,8 +62,17 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0  # random-init weights and unseeded sampling
     weight_version: str = "0"
+    # "float32": the final norm, the output head and the logits in fp32 (vLLM's head_dtype,
+    # SGLang's --enable-fp32-lm-head); "auto": in the weights' dtype, logits cast to fp32 after.
+    head_dtype: str = "auto"
+
+    @property
+    def head_fp32(self) -> bool:
+        return self.head_dtype in HEAD_FP32_NAMES
 
     def validate(self) -> None:
+        if self.head_dtype not in ("auto", *HEAD_FP32_NAMES):
+            raise ConfigError(f"head_dtype must be auto or float32, got {self.head_dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -90,13 +105,44 @@ class CacheConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
+@dataclass(frozen=True)
+class BatchDefaults:
+    """A step's token budget and running-request cap when the user sets neither."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+
+# vLLM's defaults (EngineArgs.get_batch_defaults), by device and usage context: a GPU of at
+# least 70 GiB other than an A100 (H100, H200, MI300X) takes the large budget; the CPU's
+# scale with the tensor-parallel size.
+_LARGE_GPU_BYTES = 70 << 30
+_LARGE_GPU_DEFAULTS = {"llm": BatchDefaults(16384, 1024), "api_server": BatchDefaults(8192, 1024)}
+_GPU_DEFAULTS = {"llm": BatchDefaults(8192, 256), "api_server": BatchDefaults(2048, 256)}
+_CPU_DEFAULTS = {"llm": BatchDefaults(4096, 256), "api_server": BatchDefaults(2048, 128)}
+
+
+def batch_defaults(device: torch.device, usage_context: str, world_size: int = 1) -> BatchDefaults:
+    """What vLLM would take for ``max_num_batched_tokens`` and ``max_num_seqs`` here."""
+    if device.type == "cpu":
+        base = _CPU_DEFAULTS[usage_context]
+        return BatchDefaults(base.max_num_batched_tokens * world_size, base.max_num_seqs * world_size)
+    try:
+        props = torch.cuda.get_device_properties(device)
+    except (AssertionError, RuntimeError):  # no such device here (a config validated elsewhere): vLLM's fallback
+        return _GPU_DEFAULTS[usage_context]
+    large = props.total_memory >= _LARGE_GPU_BYTES and "a100" not in props.name.lower()
+    return (_LARGE_GPU_DEFAULTS if large else _GPU_DEFAULTS)[usage_context]
+
+
 @dataclass
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    # None: DEFAULT_MAX_NUM_BATCHED_TOKENS, or max_model_len when prefills are not chunked.
+    # None: vLLM's default for the device and usage context (``batch_defaults``), or
+    # max_model_len when prefills are not chunked.
     max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     enable_chunked_prefill: bool = True
     # Schedule and launch step k+1 before reading step k's samples back (its inputs come from
     # them on the device), so the host's work of a step overlaps the device's. None: on where
@@ -106,14 +152,18 @@ class SchedulerConfig:
     # this the engine refuses new ones (HTTP 429 with Retry-After) instead of queueing for hours.
     max_waiting_requests: int = 4096
 
-    def resolve(self, max_model_len: int) -> None:
+    def resolve(self, max_model_len: int, defaults: BatchDefaults | None = None) -> None:
+        defaults = defaults or _CPU_DEFAULTS["llm"]
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-            if not self.enable_chunked_prefill:
-                self.max_num_batched_tokens = max(self.max_num_batched_tokens, max_model_len)
+            # vLLM takes max_model_len without chunked prefill; a larger budget only helps.
+            chunked = self.enable_chunked_prefill
+            self.max_num_batched_tokens = defaults.max_num_batched_tokens if chunked else max(
+                defaults.max_num_batched_tokens, max_model_len)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = min(defaults.max_num_seqs, self.max_num_batched_tokens)
 
-    def validate(self, max_model_len: int) -> None:
-        self.resolve(max_model_len)
+    def validate(self, max_model_len: int, defaults: BatchDefaults) -> None:
+        self.resolve(max_model_len, defaults)
         if self.max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_waiting_requests <= 0:
@@ -137,10 +187,15 @@ class CpuConfig:
     # The library of fp32 linears past a decode step's few rows (siesta/model/cpu_linear.py):
     # "auto" takes oneDNN on AMD CPUs and MKL (F.linear's) elsewhere, as measured on each.
     matmul: str = "auto"
+    # torch's (and the C kernels') threads per rank; None: the cores this process may use,
+    # less one for the API server when there is one (siesta/cpu_threads.py).
+    threads: int | None = None
 
     def validate(self) -> None:
         if self.matmul not in CPU_MATMULS:
             raise ConfigError(f"cpu.matmul must be one of {', '.join(CPU_MATMULS)}, got {self.matmul!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(f"cpu threads must be a positive integer, got {self.threads!r}")
 
 
 @dataclass
@@ -280,6 +335,10 @@ class EngineConfig:
     # CUDA graphs for decode; ignored on CPU.
     enforce_eager: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
+    usage_context: str = "llm"  # one of USAGE_CONTEXTS
+    # A file each engine step appends one JSON line to (when it started and ended, its tokens
+    # and rows, the requests running, loading and waiting): where a replay's time went.
+    step_trace: str | None = field(default_factory=lambda: os.environ.get(STEP_TRACE_ENV) or None)
 
     @classmethod
     def from_flags(
@@ -295,7 +354,7 @@ class EngineConfig:
         prefault_kv_cache: bool = False,
         seed: int = 0,
         max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool | None = None,
         max_waiting_requests: int = 4096,
@@ -306,10 +365,14 @@ class EngineConfig:
         attention_backend: str = "auto",
         enable_sleep_mode: bool = True,
         tensor_parallel_size: int = 1,
+        cpu_threads: int | None = None,
+        usage_context: str = "llm",
+        head_dtype: str = "auto",
     ) -> EngineConfig:
         """The flat, vLLM-style engine arguments (``LLM(...)``, CLI flags) as a config."""
         return cls(
-            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                              head_dtype=head_dtype),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_bytes=kv_cache_bytes,
@@ -327,10 +390,12 @@ class EngineConfig:
             kv_transfer=KVTransferConfig.from_any(kv_transfer_config),
             weight_transfer=WeightTransferConfig.from_any(weight_transfer_config),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            cpu=CpuConfig(threads=cpu_threads),
             device=device,
             enforce_eager=enforce_eager,
             attention_backend=attention_backend,
             enable_sleep_mode=enable_sleep_mode,
+            usage_context=usage_context,
         )
 
     def background_weight_backup(self) -> bool:
@@ -356,7 +421,10 @@ class EngineConfig:
     def validate(self, max_model_len: int) -> None:
         self.model.validate()
         self.cache.validate()
-        self.scheduler.validate(max_model_len)
+        if self.usage_context not in USAGE_CONTEXTS:
+            raise ConfigError(f"usage_context must be one of {', '.join(USAGE_CONTEXTS)}, got {self.usage_context!r}")
+        defaults = batch_defaults(self.torch_device(), self.usage_context, self.parallel.tensor_parallel_size)
+        self.scheduler.validate(max_model_len, defaults)
         if self.scheduler.async_scheduling is None:
             self.scheduler.async_scheduling = self.torch_device().type == "cuda"
         if self.kv_transfer is not None:

@@ -22,7 +22,8 @@ from siesta.core.model_runner import LaunchedStep
 from siesta.core.one_call_updates import OneCallUpdates
 from siesta.core.ranks import RankedMemory, RankedUpdater, Ranks
 from siesta.core.scheduler import Scheduler, SchedulerOutput
-from siesta.distributed.processes import RankFailed
+from siesta.core.step_trace import StepTrace
+from siesta.distributed.processes import RankFailed, refuse_in_starting_rank
 from siesta.kv.hashing import ExtraKeys
 from siesta.kv.kv_manager import KVManager, cdiv
 from siesta.metrics import EngineStats, StatsSnapshot
@@ -91,6 +92,7 @@ def next_weight_version(current: str) -> str:
 
 class EngineCore(OneCallUpdates):
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        refuse_in_starting_rank()  # before loading anything: a rank re-running an unguarded script
         self.config = config
         self.source = source or resolve_model(config.model.model, config.model.seed, config.model.tokenizer)
         self.max_model_len = self._max_model_len()
@@ -131,6 +133,8 @@ class EngineCore(OneCallUpdates):
         # Whole weights of one version, or why not; an open weight update holds every step.
         self.weights = self.updater.state
         self._record_weight_version()
+        self._trace = StepTrace(config.step_trace) if config.step_trace else None
+        self._traced: SchedulerOutput | None = None  # the last step's schedule, for the trace
 
     def _make_connector(self) -> KVConnector | None:
         if self.config.kv_transfer is None:
@@ -308,6 +312,9 @@ class EngineCore(OneCallUpdates):
             self._complete_pause()
         # What a control call arriving mid-step waits for at most (the engine-core loop answers between steps).
         self.stats.observe("engine_step_seconds", time.perf_counter() - t0)
+        if self._trace is not None:
+            self._trace.record(t0, self._traced, self.scheduler)
+            self._traced = None
         return EngineCoreOutputs(outputs=outputs, stats=self.stats.drain())
 
     def _scheduling_allowed(self) -> bool:
@@ -324,6 +331,8 @@ class EngineCore(OneCallUpdates):
         if not self._may_run_ahead():
             outputs.extend(self._finish_inflight())
         sched = self.scheduler.schedule()
+        if self._trace is not None:
+            self._traced = sched
         if sched.is_empty:
             outputs.extend(self._finish_inflight())  # nothing to overlap it with
             self._run_transfers_only(sched)
@@ -398,6 +407,8 @@ class EngineCore(OneCallUpdates):
         self._settle()
         if self._connector_busy():
             self.connector.wait_for_stores(self.runner.kv_cache)
+        if self._trace is not None:
+            self._trace.close()
         self.ranks.close()
 
     def drain_stats(self) -> StatsSnapshot:

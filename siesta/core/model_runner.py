@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from siesta import cpu_threads
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.select import get_attention_backend
 from siesta.config import EngineConfig, resolve_dtype
@@ -155,6 +156,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, source.checkpoint_dtype, self.device)
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
+        if self.device.type == "cpu":  # before the attention backend, which sizes its work by it
+            threads = cpu_threads.engine_threads(config.cpu.threads, config.usage_context, tp.size)
+            cpu_threads.apply(threads)
+            logger.info("CPU threads: %d", threads)
         self.backend = get_attention_backend(config.attention_backend, self.device)
         if self.device.type == "cuda":
             staging.warm_up(self.device)  # pinned and compiled now, not in a step while tier copies run
@@ -186,7 +191,8 @@ class ModelRunner:
     def _build_model(self, source: ModelSource) -> CausalLM:
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = CausalLM(source.hf_config, self.max_model_len, self.backend, self.tp)
+            model = CausalLM(source.hf_config, self.max_model_len, self.backend, self.tp,
+                             head_fp32=self.config.model.head_fp32)
         # Materialise on the device without initialising: every parameter is loaded next.
         model = model.to(dtype=self.dtype)
         if self.use_arenas:

@@ -71,7 +71,7 @@ class PiecewiseGraphs:
             v=zeros(local.num_kv_heads, local.head_dim),
             residual=zeros(shape.hidden_size),
             attn_out=zeros(local.num_heads, local.head_dim),
-            hidden=zeros(shape.hidden_size),
+            hidden=torch.zeros((n, shape.hidden_size), dtype=model.hidden_dtype(dtype), device=dev),
         )
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.pool = None

@@ -62,7 +62,7 @@ class Ranks:
         store = rank_group.host_store(size, par.rank_start_timeout_s)
         procs = RankProcesses(size, WORKER_TARGET, (config, store.port, max_model_len), par.heartbeat_timeout_s)
         try:
-            membership = rank_group.join(0, size, device, par.rank_timeout_s, store=store)
+            membership = rank_group.join(0, size, device, par.rank_start_timeout_s, store=store, check=procs.check)
             runner = ModelRunner(config, source, max_model_len, tp=membership.tp)
             ready = procs.wait_ready(par.rank_start_timeout_s)
         except BaseException as e:

@@ -27,6 +27,14 @@ from siesta.distributed.channel import STOP, Answer, Call, RankChannel, dumps, l
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50
+RANK_PROCESS_PREFIX = "siesta-rank-"
+# Where a rank that cannot start says why, for rank 0 to report (a file: the rank dies before
+# it has a channel).
+STARTUP_ERROR_ENV = "SIESTA_RANK_STARTUP_ERROR"
+UNGUARDED_SCRIPT = (
+    "a tensor-parallel rank re-ran the script that started the engine: spawned processes import "
+    "the main module, so put the code that makes the LLM under `if __name__ == \"__main__\":`"
+)
 HEARTBEATS_PER_TIMEOUT = 4  # heartbeats sent within one heartbeat timeout
 CLOSE_TIMEOUT_S = 10.0
 
@@ -68,13 +76,16 @@ class RankProcesses:
             sock.bind(address)
             self._commands[rank] = sock
             proc = spawn.Process(
-                target=_rank_main, name=f"siesta-rank-{rank}", daemon=True,
+                target=_rank_main, name=f"{RANK_PROCESS_PREFIX}{rank}", daemon=True,
                 args=(target, rank, size, address, answers, heartbeat_timeout_s / HEARTBEATS_PER_TIMEOUT, args),
             )  # fmt: skip
-            proc.start()
+            _start_with_env(proc, {STARTUP_ERROR_ENV: self._startup_error_path(rank)})
             self._procs[rank] = proc
         self._watcher = threading.Thread(target=self._watch, name="rank-watcher", daemon=True)
         self._watcher.start()
+
+    def _startup_error_path(self, rank: int) -> str:
+        return os.path.join(self._dir, f"startup-error-{rank}")
 
     @property
     def ranks(self) -> range:
@@ -189,7 +200,8 @@ class RankProcesses:
     def _check_processes(self) -> None:
         for rank, proc in self._procs.items():
             if proc.exitcode is not None and not self._closing:
-                self._fail(f"tensor-parallel rank {rank} died ({_describe_exit(proc.exitcode)})")
+                why = _read_text(self._startup_error_path(rank))
+                self._fail(f"tensor-parallel rank {rank} died ({_describe_exit(proc.exitcode)})" + (f": {why}" if why else ""))
                 return
         now = time.monotonic()
         for rank, seen in self._last_seen.items():
@@ -240,6 +252,41 @@ class RankProcesses:
                     pass
         for proc in self._procs.values():
             proc.join(CLOSE_TIMEOUT_S)
+
+
+def _start_with_env(proc: mp.process.BaseProcess, env: dict[str, str]) -> None:
+    """Start a spawned process with ``env`` added to what it inherits (spawn copies os.environ)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        proc.start()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def refuse_in_starting_rank() -> None:
+    """Raise, telling rank 0 why, when a rank process is still starting: its main module is being
+    imported (a script with no ``__main__`` guard re-runs the code that started the engine)."""
+    current = mp.current_process()
+    if not (current.name.startswith(RANK_PROCESS_PREFIX) and getattr(current, "_inheriting", False)):
+        return
+    path = os.environ.get(STARTUP_ERROR_ENV)
+    if path:
+        with open(path, "w") as f:
+            f.write(UNGUARDED_SCRIPT)
+    raise RuntimeError(UNGUARDED_SCRIPT)
 
 
 def _describe_exit(code: int) -> str:

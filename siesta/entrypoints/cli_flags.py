@@ -11,6 +11,7 @@ import argparse
 import os
 import re
 import sys
+from pathlib import Path
 
 # K, M, G, T alone or with "i" are binary (1G = 2**30, as vLLM's size flags read them); with a
 # plain "B" they are decimal (1GB = 10**9). A bare number is bytes.
@@ -66,9 +67,17 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
 
 def _check_tokenizer(args: argparse.Namespace) -> None:
     tokenizer = getattr(args, "tokenizer", None)
-    if tokenizer is not None and not os.path.exists(tokenizer):
+    if tokenizer is None:
+        return
+    if not os.path.exists(tokenizer):
         raise ValueError(f"--tokenizer {tokenizer}: no such file or directory (tokenizers load from local paths; "
                          "nothing is downloaded)")  # fmt: skip
+    from siesta.model.hf_loader import check_tokenizer_folder
+
+    try:
+        check_tokenizer_folder(Path(tokenizer))
+    except ValueError as e:
+        raise ValueError(f"--tokenizer {e}") from None
 
 
 def _check_memory_flags(args: argparse.Namespace) -> None:

@@ -20,8 +20,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None, help="share of the GPU to fill (default 0.9)")
     add_vllm_flags(p)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", help=argparse.SUPPRESS)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens a step may compute (default: vLLM's: 8192 for serve on an H100/H200-class GPU, "
+                        "16384 offline; 2048/8192 on smaller GPUs; 2048/4096 per rank on the CPU)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests running at once (default: vLLM's for the device and entrypoint)")
     p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule a step ahead of reading samples back (default: on CUDA, off on the CPU)")
@@ -34,6 +37,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--head-dtype", default="auto", choices=["auto", "float32", "fp32"],
+                   help="float32: the final norm, output head and logits in fp32 (RL: logprobs nearer the trainer's)")
+    p.add_argument("--enable-fp32-lm-head", dest="head_dtype", action="store_const", const="float32",
+                   help="SGLang's name for --head-dtype float32")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="CPU: torch's threads per rank (default: the cores this process may use, less one "
+                        "for the API server under serve)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -41,7 +51,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["model", "tokenizer", "dtype", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization",
             "enable_prefix_caching", "prefault_kv_cache", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
             "async_scheduling", "max_waiting_requests", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend",
-            "tensor_parallel_size"]  # fmt: skip
+            "tensor_parallel_size", "cpu_threads", "head_dtype"]  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 
@@ -49,4 +59,5 @@ def engine_config(args: argparse.Namespace):
     """The EngineConfig the engine flags describe (what ``LLM(**engine_kwargs(args))`` builds)."""
     from siesta.config import EngineConfig
 
-    return EngineConfig.from_flags(**engine_kwargs(args), enable_sleep_mode=getattr(args, "enable_sleep_mode", True))
+    return EngineConfig.from_flags(**engine_kwargs(args), enable_sleep_mode=getattr(args, "enable_sleep_mode", True),
+                                   usage_context="api_server")

@@ -34,7 +34,7 @@ class LLM:
         prefault_kv_cache: bool = False,
         seed: int = 0,
         max_num_batched_tokens: int | None = None,
-        max_num_seqs: int = 256,
+        max_num_seqs: int | None = None,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool | None = None,
         max_waiting_requests: int = 4096,
@@ -45,6 +45,8 @@ class LLM:
         attention_backend: str = "auto",
         enable_sleep_mode: bool = True,
         tensor_parallel_size: int = 1,
+        cpu_threads: int | None = None,
+        head_dtype: str = "auto",
     ) -> None:
         self.config = EngineConfig.from_flags(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
@@ -56,7 +58,7 @@ class LLM:
             kv_transfer_config=kv_transfer_config, weight_transfer_config=weight_transfer_config,
             device=device, enforce_eager=enforce_eager,
             attention_backend=attention_backend, enable_sleep_mode=enable_sleep_mode,
-            tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_size=tensor_parallel_size, cpu_threads=cpu_threads, head_dtype=head_dtype,
         )  # fmt: skip
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.source.load_tokenizer()

@@ -122,11 +122,21 @@ def has_tokenizer(directory: Path) -> bool:
     return any((directory / name).is_file() for name in TOKENIZER_FILES)
 
 
+def check_tokenizer_folder(path: Path) -> None:
+    """A ValueError naming what a tokenizer folder lacks, and the subfolders that have it."""
+    if not path.is_dir() or has_tokenizer(path):
+        return
+    inside = sorted(str(p.parent) for name in TOKENIZER_FILES for p in path.glob(f"*/{name}"))
+    hint = f"; these subfolders have one: {', '.join(dict.fromkeys(inside))}" if inside else ""
+    raise ValueError(f"{path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}){hint}")
+
+
 def load_tokenizer_from(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
     """A tokenizer from a directory, a .gguf file, or anything AutoTokenizer resolves."""
     path = Path(path).expanduser()
     if path.suffix == GGUF_SUFFIX and path.is_file():
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    check_tokenizer_folder(path)
     return AutoTokenizer.from_pretrained(path)
 
 

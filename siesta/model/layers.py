@@ -162,6 +162,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    def fp32_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The product in fp32 (inputs, weights and sums), whatever the weights' dtype."""
+        bias = None if self.bias is None else self.bias.float()
+        return linear(x.float(), self.weight.float(), bias)
+
 
 def _cpu_linear():
     # Imported on first CPU use: it loads (and may build) the CPU kernels.

@@ -276,9 +276,13 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: Any, max_positions: int, backend: AttentionBackend, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, config: Any, max_positions: int, backend: AttentionBackend, tp: TensorParallel = SINGLE,
+                 head_fp32: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.tp = tp
+        # The final norm, the output head and so the logits in fp32 whatever the weights' dtype
+        # (vLLM's head_dtype, SGLang's fp32 LM head): bf16 logits round by up to 1/32 at |8|.
+        self.head_fp32 = head_fp32
         self.shape = DecoderShape.from_config(config)  # the whole model's
         self.local = LocalShape.of(
             num_layers=self.shape.num_layers,
@@ -325,15 +329,23 @@ class CausalLM(nn.Module):
             return self.final_norm(*last(x, residual, positions, kv_cache, meta))
         q, k, v, residual = last.before_attention(x, residual, positions)
         attn = last.self_attn.attend(q, k, v, kv_cache, meta)
-        hidden = residual.new_full(residual.shape, float("nan"))
+        hidden = residual.new_full(residual.shape, float("nan"), dtype=self.hidden_dtype(residual.dtype))
         if len(keep):  # none read (a chunk of a prompt that goes on): no tail at all
             hidden[keep] = self.final_norm(*last.after_attention(attn[keep], residual[keep]))
         return hidden
 
+    def hidden_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the final hidden states (what ``forward`` returns) for weights of ``dtype``."""
+        return torch.float32 if self.head_fp32 else dtype
+
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.head_fp32:
+            x, residual = x.float(), residual.float()
         return self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.head_fp32:
+            return self.lm_head.fp32_forward(hidden)
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], written: set[str] | None = None) -> set[str]:

@@ -129,6 +129,12 @@ class ParallelLMHead(Linear):
         self.vocab_size, self.padded, self.tp = vocab_size, local.padded_vocab_size != vocab_size, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(linear(x, self.weight), dim=-1)
+        return self._gathered(linear(x, self.weight))
+
+    def fp32_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gathered(linear(x.float(), self.weight.float()))
+
+    def _gathered(self, local_logits: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather(local_logits, dim=-1)
         # Rows stay contiguous for the sampler's kernels, which read each row at a unit stride.
         return logits[..., : self.vocab_size].contiguous() if self.padded else logits

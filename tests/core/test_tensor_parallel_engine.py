@@ -220,3 +220,19 @@ def test_qwen_models_at_tensor_parallel_2_generate_what_1_and_transformers_do(sh
         llm.engine.close()
     hf = hf_twin(resolve_model(f"random:{shape}"))
     assert [hf_greedy_ids(hf, p, STEPS) for p in PROMPTS] == single
+
+
+def test_a_script_without_a_main_guard_is_told_so_before_the_start_timeout(tmp_path):
+    """Spawned ranks import the main module: an unguarded script makes its LLM again in rank 1,
+    which refuses at once and says why; rank 0 reports it long before the 120 s group timeout."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text('from siesta import LLM\nLLM("random:tiny-llama", tensor_parallel_size=2, kv_cache_bytes=1 << 22)\n')
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert "rank 1 died" in last and 'if __name__ == "__main__":' in last
+    assert time.monotonic() - t0 < 100

@@ -105,3 +105,28 @@ def test_every_engine_flag_is_an_argument_of_llm(command):
 
     kwargs = engine_kwargs(build_parser().parse_args(command))
     inspect.signature(LLM).bind(**kwargs)
+
+
+def test_cpu_threads_and_the_fp32_head_are_flags():
+    assert _config(["serve", "--cpu-threads", "3"]).cpu.threads == 3
+    assert _config(["serve"]).cpu.threads is None
+    assert _config(["serve", "--head-dtype", "float32"]).model.head_fp32
+    assert _config(["serve", "--enable-fp32-lm-head"]).model.head_fp32  # SGLang's name
+    assert not _config(["serve"]).model.head_fp32
+
+
+def test_a_tokenizer_folder_without_tokenizer_files_is_one_line_naming_the_subfolder_that_has_them(capsys):
+    from siesta.bench.resume_http import DEFAULT_TOKENIZER
+
+    err = _refusal(["serve", "random:tiny-llama", "--tokenizer", str(DEFAULT_TOKENIZER.parent)], capsys)
+    assert len(err.splitlines()) == 1 and "holds no tokenizer" in err and str(DEFAULT_TOKENIZER) in err
+
+
+def test_vllms_dev_mode_variable_opens_the_control_routes_too(monkeypatch):
+    from siesta.entrypoints.server.state import dev_mode_from_env
+
+    monkeypatch.delenv("SIESTA_SERVER_DEV_MODE", raising=False)
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    assert not dev_mode_from_env()
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # the seed's serve line sets it
+    assert dev_mode_from_env()

@@ -16,6 +16,8 @@ from siesta.ipc.client import EngineCoreClient
 from siesta.ipc.protocol import EngineInfo
 
 DEV_MODE_ENV = "SIESTA_SERVER_DEV_MODE"
+# vLLM's name for it: a vLLM serve line pasted with its environment opens the same routes.
+VLLM_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 API_KEY_ENV = "SIESTA_API_KEY"
 REQUEST_ID_HEADER = "x-request-id"
 _NOT_FOUND = 404
@@ -23,7 +25,7 @@ _TRUE_ENV_VALUES = ("1", "true", "yes")
 
 
 def dev_mode_from_env() -> bool:
-    return os.environ.get(DEV_MODE_ENV, "").strip().lower() in _TRUE_ENV_VALUES
+    return any(os.environ.get(name, "").strip().lower() in _TRUE_ENV_VALUES for name in (DEV_MODE_ENV, VLLM_DEV_MODE_ENV))
 
 
 # prompts x n per HTTP request: a whole prompt batch of the OpenAI API, but not a queue's worth.
