@@ -24,6 +24,9 @@ STARTUP_TIMEOUT_S = 180.0
 POLL_S = 0.25
 STOP_TIMEOUT_S = 20.0
 STREAM_TIMEOUT_S = 120.0
+# A plain call to a test server: a first completion on a loaded 2-core machine (the suite runs
+# two workers) took over httpx's 5 s default.
+HTTP_TIMEOUT_S = 60.0
 LOG_TAIL_CHARS = 4000
 # Small, so the suite stays fast; generous enough for the longest prompt a test sends.
 DEV_MAX_MODEL_LEN = 1024

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from e2e.servers import start_server, stop_server, wait_for
+from e2e.servers import HTTP_TIMEOUT_S, start_server, stop_server, wait_for
 
 FANOUT = 64
 WAITING = 16
@@ -126,7 +126,7 @@ def test_a_text_too_long_to_fit_is_refused_untokenized(dev_server):
     r = httpx.post(f"{dev_server.url}/v1/completions", json={"prompt": "sea " * 2_500_000, "max_tokens": 1},
                    timeout=60)  # fmt: skip
     assert r.status_code == 400 and "characters, so at least" in r.json()["error"]["message"]
-    assert httpx.get(f"{dev_server.url}/health").status_code == 200
+    assert httpx.get(f"{dev_server.url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
     assert time.monotonic() - t0 < 30  # never tokenized: 2.5M tokens would take far longer on the CPU
 
 

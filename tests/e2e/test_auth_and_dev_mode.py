@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from e2e.servers import SERVER_KV_CACHE_BYTES, start_server, stop_server
+from e2e.servers import HTTP_TIMEOUT_S, SERVER_KV_CACHE_BYTES, start_server, stop_server
 from siesta.client import SiestaAPIError, SiestaClient
 
 KEY = "sekrit-key"
@@ -41,11 +41,11 @@ def test_api_needs_the_key(keyed_server):
     url = keyed_server.url
     body = {"prompt": "Hi", "max_tokens": 2}
     for headers in ({}, _auth("wrong"), {"Authorization": KEY}):
-        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
         assert r.status_code == 401, r.text
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    assert httpx.get(f"{url}/v1/models").status_code == 401
-    assert httpx.post(f"{url}/v1/completions", json=body, headers=_auth(KEY)).status_code == 200
+    assert httpx.get(f"{url}/v1/models", timeout=HTTP_TIMEOUT_S).status_code == 401
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=_auth(KEY), timeout=HTTP_TIMEOUT_S).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong").models.list()
     assert openai.OpenAI(base_url=f"{url}/v1", api_key=KEY).models.list().data
@@ -53,7 +53,7 @@ def test_api_needs_the_key(keyed_server):
 
 def test_probes_stay_open(keyed_server):
     for path in ("/health", "/metrics", "/version"):
-        assert httpx.get(f"{keyed_server.url}{path}").status_code == 200, path
+        assert httpx.get(f"{keyed_server.url}{path}", timeout=HTTP_TIMEOUT_S).status_code == 200, path
 
 
 @pytest.mark.parametrize(("method", "path"), CONTROL_ROUTES)

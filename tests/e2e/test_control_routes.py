@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from e2e.servers import StreamReader, offline_greedy, wait_for
+from e2e.servers import HTTP_TIMEOUT_S, StreamReader, offline_greedy, wait_for
 from siesta.client import SiestaAPIError
 
 PROMPT = "Once upon a time, in a quiet village,"
@@ -69,7 +69,7 @@ def test_control_calls_at_the_wrong_time_are_409(client):
 
 @pytest.mark.parametrize("value", ACCEPTED_BOOLS)
 def test_typed_booleans_accept_exactly_six_spellings(client, dev_server, value):
-    r = httpx.post(f"{dev_server.url}/sleep", params={"level": 0, "clear_connector_cache": value})
+    r = httpx.post(f"{dev_server.url}/sleep", params={"level": 0, "clear_connector_cache": value}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 200, r.text
     client.wake_up()
 
@@ -81,7 +81,7 @@ def test_typed_booleans_accept_exactly_six_spellings(client, dev_server, value):
 )  # fmt: skip
 @pytest.mark.parametrize("value", ["yes", "no", "on", "2", "", "FALSE"])
 def test_bad_booleans_are_422_naming_the_parameter(client, dev_server, route, param, value):
-    r = httpx.post(f"{dev_server.url}{route}", params={param: value})
+    r = httpx.post(f"{dev_server.url}{route}", params={param: value}, timeout=HTTP_TIMEOUT_S)
     assert r.status_code == 422
     error = r.json()["error"]
     assert error["param"] == param
@@ -92,7 +92,7 @@ def test_bad_booleans_are_422_naming_the_parameter(client, dev_server, route, pa
 def test_bad_level_mode_and_tags_are_422(dev_server):
     for route, params in [("/sleep", {"level": 3}), ("/sleep", {"mode": "later"}), ("/pause", {"mode": "x"}),
                           ("/wake_up", {"tags": "gpu"})]:  # fmt: skip
-        r = httpx.post(f"{dev_server.url}{route}", params=params)
+        r = httpx.post(f"{dev_server.url}{route}", params=params, timeout=HTTP_TIMEOUT_S)
         assert r.status_code == 422, (route, params, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 

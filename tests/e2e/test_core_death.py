@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.servers import SERVER_KV_CACHE_BYTES, StreamReader, start_server, stop_server, wait_for
+from e2e.servers import HTTP_TIMEOUT_S, SERVER_KV_CACHE_BYTES, StreamReader, start_server, stop_server, wait_for
 from siesta.entrypoints.server.app import EXIT_ENGINE_DEAD
 
 EXIT_BOUND_S = 30.0
@@ -35,7 +35,7 @@ def _engine_core_pid(server_pid: int) -> int:
 
 
 def test_core_death_is_reported_and_fails_requests(server):
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
     reader = StreamReader(server, {"prompt": [1, 2, 3], "max_tokens": None, "ignore_eos": True})  # to the context's end
     reader.start()
     wait_for(lambda: reader.chunks, what="the first token")
@@ -45,7 +45,7 @@ def test_core_death_is_reported_and_fails_requests(server):
     assert reader.chunks[-1]["error"]["code"] == 503
     assert "engine core" in reader.chunks[-1]["error"]["message"]
     try:  # until it exits, the server answers 503 naming the exit
-        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}, timeout=HTTP_TIMEOUT_S)
         assert r.status_code == 503 and "engine core" in r.json()["error"]["message"]
     except httpx.TransportError:
         pass  # already gone

@@ -6,6 +6,8 @@ import httpx
 import openai
 import pytest
 
+from e2e.servers import HTTP_TIMEOUT_S
+
 ERROR_KEYS = {"message", "type", "param", "code"}
 HUGE = 10**30  # beyond 64 bits: must not reach the wire
 
@@ -25,7 +27,7 @@ def _error(response: httpx.Response, status: int) -> dict:
 @pytest.fixture(autouse=True)
 def still_healthy(dev_server):
     yield
-    assert httpx.get(f"{dev_server.url}/health").status_code == 200
+    assert httpx.get(f"{dev_server.url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
     ok = _post(dev_server, "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
     assert ok.status_code == 200, ok.text
 
@@ -92,8 +94,8 @@ def test_unknown_model_is_404_like_vllm(dev_server):
 
 
 def test_unknown_routes_and_methods_are_shaped_errors(dev_server):
-    _error(httpx.get(f"{dev_server.url}/v1/nope"), 404)
-    _error(httpx.get(f"{dev_server.url}/v1/completions"), 405)
+    _error(httpx.get(f"{dev_server.url}/v1/nope", timeout=HTTP_TIMEOUT_S), 404)
+    _error(httpx.get(f"{dev_server.url}/v1/completions", timeout=HTTP_TIMEOUT_S), 405)
 
 
 def test_lone_surrogates_never_break_a_response(dev_server):

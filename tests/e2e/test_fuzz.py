@@ -15,6 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
+from e2e.servers import HTTP_TIMEOUT_S
+
 EXAMPLES = 40
 MAX_FUZZ_TOKENS = 3
 MAX_FUZZ_CHOICES = 2
@@ -86,7 +88,7 @@ def test_no_server_errors(schema, dev_server, path, mode):
         case.validate_response(response, checks=[not_a_server_error])
 
     fuzz()
-    assert httpx.get(f"{dev_server.url}/health").status_code == 200
+    assert httpx.get(f"{dev_server.url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
     metrics = dev_server.metrics()
     assert metrics["siesta_num_requests_running"] == 0
 
@@ -118,6 +120,6 @@ def test_no_server_errors_on_sglangs_control_routes(schema, dev_server, path, mo
                 assert httpx.post(dev_server.url + restore, json={}, timeout=REQUEST_TIMEOUT_S).status_code == 200
 
     fuzz()
-    assert httpx.get(f"{dev_server.url}/health").status_code == 200
-    assert httpx.get(f"{dev_server.url}/is_sleeping").json() == {"is_sleeping": False}
-    assert httpx.get(f"{dev_server.url}/is_paused").json() == {"is_paused": False}
+    assert httpx.get(f"{dev_server.url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
+    assert httpx.get(f"{dev_server.url}/is_sleeping", timeout=HTTP_TIMEOUT_S).json() == {"is_sleeping": False}
+    assert httpx.get(f"{dev_server.url}/is_paused", timeout=HTTP_TIMEOUT_S).json() == {"is_paused": False}

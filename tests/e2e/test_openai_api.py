@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from e2e.servers import offline_chat, offline_greedy
+from e2e.servers import HTTP_TIMEOUT_S, offline_chat, offline_greedy
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colours."}]
@@ -28,7 +28,7 @@ def model(oai):
 def test_models_lists_the_served_model(oai, dev_server):
     models = oai.models.list().data
     assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
-    card = httpx.get(f"{dev_server.url}/v1/models").json()["data"][0]
+    card = httpx.get(f"{dev_server.url}/v1/models", timeout=HTTP_TIMEOUT_S).json()["data"][0]
     assert card["max_model_len"] == 1024
 
 
@@ -123,8 +123,8 @@ def test_cached_prefix_is_reported(oai, model):
 
 
 def test_version_health_and_metrics(dev_server):
-    assert httpx.get(f"{dev_server.url}/health").status_code == 200
-    assert httpx.get(f"{dev_server.url}/version").json()["version"]
+    assert httpx.get(f"{dev_server.url}/health", timeout=HTTP_TIMEOUT_S).status_code == 200
+    assert httpx.get(f"{dev_server.url}/version", timeout=HTTP_TIMEOUT_S).json()["version"]
     metrics = dev_server.metrics()
     for name in ("siesta_generation_tokens_total", "siesta_time_to_first_token_seconds_count",
                  "siesta_inter_token_latency_seconds_count", "siesta_e2e_request_latency_seconds_count"):  # fmt: skip

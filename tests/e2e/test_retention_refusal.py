@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.servers import OFFLOAD_CONFIG, SERVER_KV_CACHE_BYTES, start_server, stop_server
+from e2e.servers import HTTP_TIMEOUT_S, OFFLOAD_CONFIG, SERVER_KV_CACHE_BYTES, start_server, stop_server
 
 TESTS_DIR = Path(__file__).parent.parent
 MULTI_WITH_REFUSING_CHILD = json.dumps({
@@ -37,7 +37,7 @@ def test_refused_before_anything_pauses(server, route):
     assert r.status_code == 400
     message = r.json()["error"]["message"]
     assert "NoRetentionConnector" in message and "clear_connector_cache=False" in message
-    assert httpx.get(server.url + "/is_paused").json()["is_paused"] is False
-    assert httpx.get(server.url + "/is_sleeping").json()["is_sleeping"] is False
+    assert httpx.get(server.url + "/is_paused", timeout=HTTP_TIMEOUT_S).json()["is_paused"] is False
+    assert httpx.get(server.url + "/is_sleeping", timeout=HTTP_TIMEOUT_S).json()["is_sleeping"] is False
     done = httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
     assert done.status_code == 200

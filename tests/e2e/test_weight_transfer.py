@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from e2e.servers import OFFLOAD_CONFIG, start_server, stop_server
+from e2e.servers import HTTP_TIMEOUT_S, OFFLOAD_CONFIG, start_server, stop_server
 from siesta.client import SiestaAPIError
 from siesta.model.random_init import RANDOM_SHAPES
 from siesta.weight_transfer import WeightSender
@@ -120,7 +120,7 @@ def test_bad_bodies_are_4xx_naming_the_problem_and_the_server_lives(server, path
     response = httpx.post(server.url + path, json=body, timeout=30)
     assert 400 <= response.status_code < 500, response.text
     assert needle in response.json()["error"]["message"]
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health", timeout=HTTP_TIMEOUT_S).status_code == 200
     with server.client() as client:
         assert served_logprobs(client)[0]
 
@@ -149,7 +149,7 @@ def test_a_trainer_that_dies_mid_transfer_leaves_the_server_refusing_until_a_ful
         with pytest.raises(SiestaAPIError) as refused:
             client.completions(PROMPT, max_tokens=2)
         assert refused.value.status_code == 400 and "cannot generate" in refused.value.message
-        assert httpx.get(server.url + "/health").status_code == 200
+        assert httpx.get(server.url + "/health", timeout=HTTP_TIMEOUT_S).status_code == 200
         sender = WeightSender(client, "nccl")
         sender.init()
         hf = trainer(4)

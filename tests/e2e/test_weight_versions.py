@@ -8,7 +8,7 @@ import threading
 
 import httpx
 
-from e2e.servers import wait_for
+from e2e.servers import HTTP_TIMEOUT_S, wait_for
 from siesta.model.loader import default_model_path
 
 BODY = {"prompt": "Tell me a very long story about the sea.", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
@@ -17,7 +17,7 @@ BODY = {"prompt": "Tell me a very long story about the sea.", "max_tokens": 48, 
 def test_a_request_across_a_weight_update_reports_both_versions(dev_server):
     with dev_server.client() as client:
         before = client.weight_version()
-        assert httpx.get(f"{dev_server.url}/get_weight_version").json() == {"weight_version": before}
+        assert httpx.get(f"{dev_server.url}/get_weight_version", timeout=HTTP_TIMEOUT_S).json() == {"weight_version": before}
         box = {}
         thread = threading.Thread(
             target=lambda: box.update(r=httpx.post(f"{dev_server.url}/v1/completions", json=BODY, timeout=120))
@@ -38,7 +38,7 @@ def test_a_request_across_a_weight_update_reports_both_versions(dev_server):
     assert [s["weight_version"] for s in spans] == [before, after] and after != before
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 48
     assert body["weight_version"] == after
-    assert httpx.get(f"{dev_server.url}/v1/models").json()["data"][0]["weight_version"] == after
+    assert httpx.get(f"{dev_server.url}/v1/models", timeout=HTTP_TIMEOUT_S).json()["data"][0]["weight_version"] == after
     # The stream's chunks name the weights of their own tokens; its finishing chunk, the spans.
     chunks = box["chunks"]
     versions = [c["weight_version"] for c in chunks if c["choices"] and c["choices"][0]["text"]]
@@ -66,7 +66,7 @@ def test_an_ordinary_response_has_one_span(dev_server):
 
 
 def test_every_streamed_chunk_names_its_weights(dev_server):
-    version = httpx.get(f"{dev_server.url}/get_weight_version").json()["weight_version"]
+    version = httpx.get(f"{dev_server.url}/get_weight_version", timeout=HTTP_TIMEOUT_S).json()["weight_version"]
     bodies = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
                                        "ignore_eos": True},
               "/inference/v1/generate": {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "ignore_eos": True}}}  # fmt: skip
