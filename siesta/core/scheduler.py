@@ -25,6 +25,10 @@ from siesta.metrics import EngineStats
 from siesta.request import EngineCoreOutput, PromptLogprobs, Request, RequestStatus, SampledLogprobs
 from siesta.tiers.base import KVConnector, StepTransfers
 
+# Prompt tokens of waiting requests hashed per step to mark the tier entries they will load
+# (connector.want): ~5 ms on a 2-core CPU, so a burst of long prompts is marked over a few steps.
+WANT_HASH_TOKENS_PER_STEP = 1 << 16
+
 
 @dataclass
 class ScheduledRequest:
@@ -117,6 +121,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         if self.connector is not None:
             out.transfers = self.connector.build_step(out)
+            if self.waiting:
+                self.connector.want(self.waiting, WANT_HASH_TOKENS_PER_STEP)
         self._record_gauges()
         return out
 
@@ -327,7 +333,9 @@ class Scheduler:
         if request.request_id in self.loading:
             self._settle_loads()  # its blocks are being written: let that end before freeing them
         request.status = status
-        if self.connector is not None and status is not RequestStatus.FINISHED_ERROR:
+        if self.connector is not None and status is RequestStatus.FINISHED_ERROR:
+            self.connector.request_failed(request)
+        elif self.connector is not None:
             # Its blocks are still its own: the connector takes what it needs before they go.
             self.connector.request_finished(request, self.kv.block_ids(request.request_id))
         if request in self.running:

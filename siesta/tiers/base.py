@@ -11,7 +11,7 @@ Control: ``reset_cache``, ``evict_other_versions``, ``wait_for_stores``.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -186,6 +186,14 @@ class KVConnector(ABC):
         loads already started keep the link busy for a while: a later lookup costs the step
         loop time and would start no copy sooner)."""
         return True
+
+    def want(self, waiting: Iterable[Request], token_budget: int) -> None:
+        """Requests that wait to be looked up: keep what the tiers hold for them from being
+        evicted to make room for stores until they are (hashing at most ``token_budget`` of
+        their tokens now; the rest in a later step)."""
+
+    def request_failed(self, request: Request) -> None:
+        """The request ended in an error: forget it, storing nothing of its KV."""
 
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
         """The request ends (it stopped, reached its length or was aborted) and still holds

@@ -2,8 +2,9 @@
 
 An entry holds one tier block: ``blocks_per_entry`` consecutive device blocks,
 laid out exactly as on the device, so each device block moves in one copy.
-Entries being written, or pinned by a load or a disk write, are never evicted, and chain
-ends go before the entries they follow (``chains``), so what the tier keeps stays reachable.
+Entries being written, or pinned by a load or a disk write, are never evicted, nor to make room
+are entries that waiting requests will load; and chain ends go before the entries they
+follow (``chains``), so what the tier keeps stays reachable.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class HostEntry:
     version: str
     ready: bool = False  # False while its data is being copied in
     pins: int = 0
+    # Requests waiting to be looked up that will load it: eviction to make room passes it by
+    # (a reset or a version change still drops it: wants never keep stale KV).
+    wants: int = 0
     parent: BlockHash | None = None  # the entry before it in its chain (None: the chain's first)
 
 
@@ -86,6 +90,19 @@ class HostTier:
         if entry is not None:
             entry.pins -= 1
 
+    def want(self, key: BlockHash) -> bool:
+        """Mark a ready entry wanted by a waiting request; False if it is absent or not ready."""
+        entry = self._index.get(key)
+        if entry is None or not entry.ready:
+            return False
+        entry.wants += 1
+        return True
+
+    def unwant(self, key: BlockHash) -> None:
+        entry = self._index.get(key)
+        if entry is not None and entry.wants:
+            entry.wants -= 1
+
     def drop(self, key: BlockHash) -> None:
         entry = self._index.pop(key)
         if entry is not None:
@@ -120,4 +137,4 @@ class HostTier:
 
 
 def _evictable(key: BlockHash, entry: HostEntry) -> bool:
-    return entry.ready and entry.pins == 0
+    return entry.ready and entry.pins == 0 and entry.wants == 0

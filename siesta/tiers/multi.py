@@ -51,6 +51,15 @@ class MultiConnector(KVConnector):
     def may_start_loads(self) -> bool:
         return all(c.may_start_loads() for c in self.children)
 
+    def want(self, waiting, token_budget: int) -> None:
+        waiting = list(waiting)
+        for child in self.children:
+            child.want(waiting, token_budget)
+
+    def request_failed(self, request: Request) -> None:
+        for child in self.children:
+            child.request_failed(request)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
         for child in self.children:
             child.request_finished(request, block_ids)

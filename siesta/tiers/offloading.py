@@ -156,6 +156,7 @@ class OffloadingConnector(KVConnector):
             self.stores = ctx.ranks.copies(self.stores, "out", self.host.buffer)
         # Scheduler-side bookkeeping.
         self._matched: dict[str, list[LoadPiece]] = {}  # looked up this schedule(), pinned, not yet allocated
+        self._wanted: dict[str, list[BlockHash]] = {}  # waiting, not looked up yet: the entries they will load
         self._pending_loads: dict[str, LoadJob] = {}  # allocated, left for run_loads (no kv_cache in ctx)
         self._stored_upto: dict[str, int] = {}  # per request: tier entries already planned or skipped
         self._planned: list[StoreJob] = []
@@ -172,6 +173,7 @@ class OffloadingConnector(KVConnector):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         self._release_match(request.request_id)
+        self._release_wants(request.request_id)  # the lookup pins what it finds instead
         if self.cfg.role not in ROLES_THAT_LOAD:
             return 0
         bs, k = self.ctx.block_size, self.blocks_per_entry
@@ -236,6 +238,34 @@ class OffloadingConnector(KVConnector):
         unstarted = sum(job.num_blocks for job in self._pending_loads.values()) * self.ctx.block_bytes
         return self.loads.pending_bytes + unstarted < self.cfg.load_lookahead_bytes
 
+    def want(self, waiting, token_budget: int) -> None:
+        # A burst replayed into a tier that holds only part of it: the requests admitted first
+        # recompute what the tier lost and store it, and least recently used first, the
+        # entries evicted for it would be those of the requests still waiting: each replay
+        # then loses more than the last (6 requests, a tier of 2/3 of them: none of the 30
+        # entries it held was loaded). Marked wanted, they stay; a store with no room is dropped.
+        if self.cfg.role not in ROLES_THAT_LOAD:
+            return
+        bs, k = self.ctx.block_size, self.blocks_per_entry
+        for request in waiting:
+            if token_budget <= 0:
+                return
+            if request.request_id in self._wanted or request.prompt_logprobs_pending:
+                continue
+            token_budget -= max(request.num_tokens - len(request.block_hashes) * bs, 0)
+            extend_block_hashes(request.block_hashes, request.all_token_ids, bs, request.hash_extra)
+            keys = []
+            for j in range(len(request.block_hashes) // k):
+                key = request.block_hashes[(j + 1) * k - 1]
+                if not self.host.want(key):
+                    break  # a lookup stops at the first miss: later entries would not be loaded
+                keys.append(key)
+            self._wanted[request.request_id] = keys
+
+    def _release_wants(self, request_id: str) -> None:
+        for key in self._wanted.pop(request_id, []):
+            self.host.unwant(key)
+
     def _release_match(self, request_id: str) -> None:
         for piece in self._matched.pop(request_id, []):
             self.host.unpin(piece.key)
@@ -256,7 +286,11 @@ class OffloadingConnector(KVConnector):
             self._plan_stores(item.request, item.block_ids)
         return transfers
 
+    def request_failed(self, request: Request) -> None:
+        self._release_wants(request.request_id)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        self._release_wants(request.request_id)  # aborted while waiting
         # Its last full blocks may be planned by no step: the step that filled them planned
         # none, with async scheduling, whose tokens were still unseen then; no later step
         # schedules the request.

@@ -720,7 +720,7 @@ def tier_reachable_tokens(llm: LLM, p: list[int]) -> int:
     connector = llm.engine.connector
     found = 0
     for key in tier_keys(llm, p):
-        if not (connector.host.contains(key) or connector.disk.contains(key)):
+        if not (connector.host.contains(key) or (connector.disk is not None and connector.disk.contains(key))):
             break
         found += 1
     return min(found * TIER_BLOCK, (len(p) - 1) // BLOCK * BLOCK)
@@ -864,3 +864,21 @@ def test_closing_the_engine_finishes_its_stores_onto_the_disk(tmp_path):
     llm.engine.close()
     assert len(disk) == len(p) // TIER_BLOCK == len(list(disk.dir.glob("*.kv")))
     assert dropped(counters(llm)) == {}
+
+
+def test_a_burst_replay_into_a_tier_too_small_for_it_loads_everything_the_tier_held():
+    """The seed's replay when the tier holds only part of the burst's KV: each request loads
+    what the tier kept of it and recomputes the rest, and those recomputed entries, stored,
+    must not evict entries that requests still waiting are about to load (least recently used
+    first, they would be exactly those, and the replay would thrash)."""
+    ps = prompts(6, seed=11)
+    entries = sum(len(p) // TIER_BLOCK for p in ps)
+    llm = engine(offload(cpu_bytes_to_use=(entries * 2 // 3) * entry_bytes()), max_num_batched_tokens=64)
+    generate(llm, ps, SHORT)
+    llm.sleep(level=1, clear_connector_cache=False)
+    llm.wake_up()
+    reachable = sum(tier_reachable_tokens(llm, p) for p in ps)
+    assert 0 < reachable < sum((len(p) - 1) // BLOCK * BLOCK for p in ps)  # the tier holds part of it
+    c0 = counters(llm)
+    generate(llm, ps, SHORT)
+    assert delta(counters(llm), c0, HITS) == reachable
