@@ -84,11 +84,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``siesta serve`` in a subprocess, its output in a log file; a context manager."""
+    """``siesta serve`` in a subprocess, its output in a log file; a context manager. ``options``
+    gives the command for a port (``command(port)``), and the port itself if it has one."""
 
     def __init__(self, options: ServeOptions, env: dict[str, str] | None = None) -> None:
         self.options = options
-        self.port = free_port()
+        self.port = getattr(options, "port", None) or free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.log_path = Path(tempfile.mkdtemp(prefix="siesta-resume-http-")) / "server.log"
         self._env = os.environ | (env or {})

@@ -96,7 +96,7 @@ def default_model_path() -> str:
 
 def resolve_model(model: str | None, seed: int = 0, tokenizer: str | None = None) -> ModelSource:
     """``None`` (the embedded model), a ``.gguf`` file, a Hugging Face directory,
-    or ``random:<shape>[@seed]`` (the suffix overrides ``seed``)."""
+    or ``random:<shape or folder>[@seed]`` (the suffix overrides ``seed``)."""
     if model is None:
         return ModelSource.of("gguf", GGUFCheckpoint(Path(default_model_path()), tokenizer))
     if model.startswith(RANDOM_PREFIX):
@@ -114,14 +114,18 @@ def resolve_model(model: str | None, seed: int = 0, tokenizer: str | None = None
 def accepted_models() -> str:
     return (
         "siesta accepts: a path to a .gguf file; a Hugging Face model directory (config.json + *.safetensors); "
-        f"{RANDOM_PREFIX}<shape>[{SEED_SEPARATOR}seed] with shape one of {', '.join(RANDOM_SHAPES)}; "
+        f"{RANDOM_PREFIX}<shape>[{SEED_SEPARATOR}seed] with shape one of {', '.join(RANDOM_SHAPES)} or a folder "
+        "holding a config.json (random weights of that architecture, the folder's tokenizer if it has one); "
         f"or no model for the embedded {display_name(Path(DEFAULT_MODEL_FILE))}"
     )
 
 
 def _parse_random(model: str, seed: int) -> tuple[str, int]:
-    shape, separator, seed_text = model.removeprefix(RANDOM_PREFIX).partition(SEED_SEPARATOR)
-    if shape not in RANDOM_SHAPES:
+    spec = model.removeprefix(RANDOM_PREFIX)
+    if spec in RANDOM_SHAPES or Path(spec).expanduser().is_dir():  # a folder's name may hold the separator
+        return spec, seed
+    shape, separator, seed_text = spec.rpartition(SEED_SEPARATOR) if SEED_SEPARATOR in spec else (spec, "", "")
+    if shape not in RANDOM_SHAPES and not Path(shape).expanduser().is_dir():
         raise ValueError(f"cannot load model {model!r}: unknown random shape {shape!r}. {accepted_models()}")
     if not separator:
         return shape, seed

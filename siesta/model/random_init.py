@@ -11,12 +11,21 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
-from siesta.model.hf_loader import Weights, digest, eos_token_ids, load_tokenizer_from
+from siesta.model.hf_loader import (
+    CONFIG_FILE,
+    Weights,
+    digest,
+    eos_token_ids,
+    has_tokenizer,
+    load_config,
+    load_tokenizer_from,
+)
 
 # Part of the fingerprint: bump it whenever the values generated for a seed change.
 GENERATOR_VERSION = 1
@@ -39,6 +48,7 @@ _MIX_SHIFT_OUTER, _MIX_SHIFT_INNER = 16, 15
 _MIX_MULTIPLIER_FIRST, _MIX_MULTIPLIER_SECOND = 0x7FEB352D, 0x846CA68B
 _UNIFORM_BITS = 24  # all a float32 mantissa holds exactly
 _KEY_HEX_CHARS = 8
+TRANSFORMERS_VERSION_KEY = "transformers_version"  # in every config.json; not part of the architecture
 
 _TINY = {
     "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -209,18 +219,27 @@ def mix32_reference(value: int) -> int:
 
 @dataclass
 class RandomCheckpoint:
-    shape_name: str
+    """Random weights of a named shape, or of the ``config.json`` in a folder (``random:DIR``:
+    a trainer's exact architecture, rope and all, and the folder's tokenizer if it has one)."""
+
+    shape_name: str  # a RANDOM_SHAPES key, or a folder with a config.json
     seed: int
     tokenizer_path: str | None = None
     hf_config: PretrainedConfig = field(init=False)
     layout: list[tuple[str, tuple[int, ...]]] = field(init=False)
+    directory: Path | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        if self.shape_name not in RANDOM_SHAPES:
+        if self.shape_name in RANDOM_SHAPES:
+            self.hf_config = RANDOM_SHAPES[self.shape_name].config()
+        elif Path(self.shape_name).expanduser().is_dir():
+            self.directory = Path(self.shape_name).expanduser()
+            self.hf_config = load_config(self.directory)
+        else:
             raise ValueError(
-                f"unknown random shape {self.shape_name!r}; known shapes: {', '.join(RANDOM_SHAPES)}"
+                f"unknown random shape {self.shape_name!r}; known shapes: {', '.join(RANDOM_SHAPES)}, "
+                "or a folder holding a config.json"
             )
-        self.hf_config = RANDOM_SHAPES[self.shape_name].config()
         self.layout = parameter_layout(self.hf_config)
 
     @property
@@ -234,6 +253,10 @@ class RandomCheckpoint:
     @property
     def fingerprint(self) -> str:
         # The shape's own values, not the config's JSON: that carries the transformers version.
+        if self.directory is not None:
+            values = json.loads((self.directory / CONFIG_FILE).read_text())
+            values.pop(TRANSFORMERS_VERSION_KEY, None)
+            return digest("random-dir", GENERATOR_VERSION, json.dumps(values, sort_keys=True), self.seed)
         shape = RANDOM_SHAPES[self.shape_name]
         params = json.dumps(shape.params, sort_keys=True)
         return digest("random", GENERATOR_VERSION, shape.model_type, params, self.seed)
@@ -244,11 +267,15 @@ class RandomCheckpoint:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        return eos_token_ids(self.hf_config, directory=None)
+        return eos_token_ids(self.hf_config, directory=self.directory)
 
     def iter_weights(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> Weights:
         for name, shape in self.layout:
             yield name, random_tensor(name, shape, self.seed, dtype, device)
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase | None:
-        return None if self.tokenizer_path is None else load_tokenizer_from(self.tokenizer_path)
+        if self.tokenizer_path is not None:
+            return load_tokenizer_from(self.tokenizer_path)
+        if self.directory is not None and has_tokenizer(self.directory):
+            return load_tokenizer_from(self.directory)
+        return None
