@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from siesta.bench.common import print_table, random_prompts
+from siesta.bench.fidelity import summary_rows as fidelity_rows
 from siesta.bench.gpu_tp import summary_rows as tensor_parallel_rows
 from siesta.bench.gpu_tp import tensor_parallel
 from siesta.bench.load_floor import DEFAULT_LINK_GBPS
@@ -341,6 +342,51 @@ def resume_http(args: argparse.Namespace) -> dict[str, Any]:
         # there): over HTTP that is the API path's own cost plus one extend and the decodes.
         "kept_warm_http_p50_s": http["seed_client"]["kept"]["warm_p50_s"],
     }
+
+
+# The oracle's architectures on the GPU: Llama-3 (llama3 rope), Mistral, Qwen3 (q/k norms),
+# Qwen2 (q/k/v biases); the last is also loaded from a checkpoint.
+FIDELITY_SHAPES = ("qwen3-0.6b", "qwen2.5-0.5b", "llama-3-8b", "mistral-7b")
+FIDELITY_KV_BYTES = 24 << 30
+
+
+def fidelity(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's logprobs against a transformers trainer's (transformers' init, pushed), per
+    position bucket up to 32k tokens, at batch 1 and 64, in units of the trainer's bf16 floor;
+    Llama-3 again with the fp32 head, and the head's decode cost at batch 1 and 64."""
+    from siesta.bench import fidelity as oracle
+    from siesta.model.random_init import RANDOM_SHAPES
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out: dict[str, Any] = {}
+
+    def decode_cost(llm) -> dict[str, float]:
+        return {f"decode_b{b}_step_ms": decode_step_s(llm, b, args.decode_context, args.decode_steps) * 1e3
+                for b in (1, 64)}  # fmt: skip
+
+    for shape in args.fidelity_shapes:
+        config = RANDOM_SHAPES[shape].config()
+        long_len = min(args.fidelity_tokens, config.max_position_embeddings) - 2 * oracle.DECODE_TOKENS
+        common = {"device": device, "long_len": long_len, "engine_dtype": "bfloat16", "kv_cache_bytes": args.fidelity_kv_bytes}
+        head = shape == args.fidelity_head_shape
+        out[shape] = oracle.run_shape(shape, config, batch=args.fidelity_batch, checkpoint=shape == args.fidelity_checkpoint,
+                                      probe=decode_cost if head else None, **common)  # fmt: skip
+        if head:  # the fp32 head: its floor ratio, and what it costs a decode step
+            out[f"{shape}+fp32_head"] = oracle.run_shape(shape, config, batch=1, head_fp32=True, probe=decode_cost, **common)
+        if args.json:  # each shape as it is done: a run cut short keeps what it measured
+            with open(f"{args.json}.fidelity.json", "w") as f:
+                f.write(oracle.dumps(out))
+    return out
+
+
+def seed_line(args: argparse.Namespace) -> dict[str, Any]:
+    """The seed's serve line exactly as it is given (its tensor-parallel size aside), the seed's
+    client unchanged at ``--http-prompt-words``: the figure a user who pastes it gets."""
+    from siesta.bench import seed_line as seed
+
+    extra = [] if args.seed_line_extra is None else args.seed_line_extra.split()
+    return seed.run(args.resume_requests, args.http_prompt_words, shape=args.seed_line_shape,
+                    tokenizer=args.http_tokenizer, extra_flags=extra)
 
 
 def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
@@ -756,6 +802,8 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "correctness": correctness,
     "resume": resume,
     "resume_http": resume_http,
+    "seed_line": seed_line,
+    "fidelity": fidelity,
     "decode": decode,
     "prefill": prefill,
     "sleep_wake": sleep_wake,
@@ -797,6 +845,13 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
     rows.append(["resume kept vs cleared (p50 speedup)", get("resume", "speedup_p50"),
                  f"goal >= 18x; {get('resume', 'speedup_p50_eager_mixed', default=0) or 0:.1f}x with eager mixed steps, "
                  f"{get('resume', 'speedup_p50_kept_sync', default=0) or 0:.1f}x kept without async scheduling"])
+    if isinstance(results.get("fidelity"), dict):
+        rows.extend(fidelity_rows(results["fidelity"]))
+    if isinstance(results.get("seed_line"), dict) and "seed_client" in results["seed_line"]:
+        stored = sum((get("seed_line", "kept_store_bytes", default={}) or {}).values())
+        rows.append(["seed's serve line as given (p50 speedup)", get("seed_line", "speedup_p50"),
+                     f"goal >= 15x; kept arm stored {stored / 2**20:,.0f} MiB (goal 0); kept replay prefilled "
+                     f"{get('seed_line', 'kept_replay_steps', 'prefill_tokens', default=0):,} tokens"])  # fmt: skip
     if isinstance(results.get("resume_http"), dict) and "http" in results["resume_http"]:
         rows.append(["seed client over HTTP (p50 speedup)", get("resume_http", "seed_client_speedup_p50"),
                      f"goal >= 15x; in process {get('resume_http', 'in_process_speedup_p50', default=0) or 0:.1f}x"])
@@ -865,6 +920,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--http-tokenizer", default=str(DEFAULT_TOKENIZER), help="resume_http: siesta serve's --tokenizer")
     ap.add_argument("--http-prompt-words", type=int, default=2900, help="resume_http: the seed client's --prompt-tokens")
     ap.add_argument("--http-kv-cache-bytes", type=int, default=None, help="resume_http: the server's KV (CPU runs)")
+    ap.add_argument("--fidelity-shapes", type=lambda s: s.split(","), default=list(FIDELITY_SHAPES))
+    ap.add_argument("--fidelity-tokens", type=int, default=32768, help="fidelity: the long prompt's positions")
+    ap.add_argument("--fidelity-batch", type=int, default=64)
+    ap.add_argument("--fidelity-checkpoint", default="qwen2.5-0.5b", help="fidelity: the shape also loaded from disk")
+    ap.add_argument("--fidelity-kv-bytes", type=int, default=FIDELITY_KV_BYTES)
+    ap.add_argument("--fidelity-head-shape", default="llama-3-8b", help="fidelity: the shape also run with the fp32 head")
+    ap.add_argument("--seed-line-shape", default="llama-3-8b", help="seed_line: the random shape served as $MODEL")
+    ap.add_argument("--seed-line-extra", default=None,
+                    help="seed_line: flags after the seed's (CPU test runs only: the GPU run adds none)")
     ap.add_argument("--tp-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="tensor_parallel: sizes to run (default 1, 2, 4, ... up to the GPUs here)")
     ap.add_argument("--tp-models", type=lambda s: s.split(","), default=["random:llama-3-8b", "random:llama-3-70b"],
