@@ -32,6 +32,13 @@ WEIGHT_BACKUP_MODES = ("auto", "background", "first_sleep")
 USAGE_CONTEXTS = ("llm", "api_server")
 STEP_TRACE_ENV = "SIESTA_STEP_TRACE"
 HEAD_FP32_NAMES = ("float32", "fp32")
+# Batch-invariant (deterministic) mode from the environment, under vLLM's name or siesta's.
+DETERMINISTIC_ENVS = ("VLLM_BATCH_INVARIANT", "SIESTA_DETERMINISTIC")
+_TRUE = ("1", "true", "yes")
+
+
+def _env_flag(names: tuple[str, ...]) -> bool:
+    return any(os.environ.get(name, "").strip().lower() in _TRUE for name in names)
 
 
 class ConfigError(ValueError):
@@ -336,6 +343,10 @@ class EngineConfig:
     enforce_eager: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
     usage_context: str = "llm"  # one of USAGE_CONTEXTS
+    # Batch invariance: a request's tokens and logprobs bit-identical whatever else is in its
+    # batch, however its prompt was chunked and wherever its prefix came from
+    # (siesta/model/batch_invariant.py). vLLM's VLLM_BATCH_INVARIANT=1 turns it on too.
+    deterministic: bool = field(default_factory=lambda: _env_flag(DETERMINISTIC_ENVS))
     # A file each engine step appends one JSON line to (when it started and ended, its tokens
     # and rows, the requests running, loading and waiting): where a replay's time went.
     step_trace: str | None = field(default_factory=lambda: os.environ.get(STEP_TRACE_ENV) or None)
@@ -368,6 +379,7 @@ class EngineConfig:
         cpu_threads: int | None = None,
         usage_context: str = "llm",
         head_dtype: str = "auto",
+        deterministic: bool | None = None,
     ) -> EngineConfig:
         """The flat, vLLM-style engine arguments (``LLM(...)``, CLI flags) as a config."""
         return cls(
@@ -396,6 +408,7 @@ class EngineConfig:
             attention_backend=attention_backend,
             enable_sleep_mode=enable_sleep_mode,
             usage_context=usage_context,
+            **({} if deterministic is None else {"deterministic": deterministic}),
         )
 
     def background_weight_backup(self) -> bool:
@@ -431,6 +444,9 @@ class EngineConfig:
             self.kv_transfer.validate()
         self.weight_transfer.validate()
         self.parallel.validate(self.torch_device())
+        if self.deterministic and self.parallel.tensor_parallel_size > 1:
+            raise ConfigError("deterministic mode runs on one rank: tensor parallelism's all-reduces sum in an order "
+                              "of their own (drop --tensor-parallel-size or --deterministic)")
         self.cpu.validate()
         if self.weight_backup not in WEIGHT_BACKUP_MODES:
             raise ConfigError(f"weight_backup must be one of {', '.join(WEIGHT_BACKUP_MODES)}, got {self.weight_backup!r}")

@@ -131,7 +131,11 @@ class CpuAttention(TorchAttention):
         if lib is None or not self._takes(q, k_cache, out):
             super()._decode(q, kv_cache, layer_idx, meta, scale, rows, out)
             return
-        row_req, row_token, row_len, tables, bounds, bounds_t = self._rows(meta, rows)
+        self._run_decode_kernel(lib, q, k_cache, v_cache, scale, out, self._rows(meta, rows))
+
+    def _run_decode_kernel(self, lib, q, k_cache, v_cache, scale: float, out: torch.Tensor, arrays) -> None:
+        """The decode kernel over per-row arrays (request, query token, context length; tables; thread split)."""
+        row_req, row_token, row_len, tables, bounds, bounds_t = arrays
         head = (
             _ptr(q, _F32P), q.stride(0), q.stride(1),
             _ptr(k_cache, _F32P), _ptr(v_cache, _F32P), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -267,3 +271,52 @@ def _balanced_bounds(lens: list[int], parts: int) -> list[int]:
         bounds.append(len(lens))
     bounds[-1] = len(lens)
     return bounds
+
+
+class BatchInvariantCpuAttention(CpuAttention):
+    """Deterministic mode: every query row, a prompt chunk's as much as a decode step's, goes
+    through the decode kernel, one row over its own context (its causal prefix), in the same
+    order whatever its batch, its chunk or the split of rows among threads."""
+
+    name = "cpu"
+
+    def forward(self, q, k, v, kv_cache: KVCache, layer_idx: int, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        self._write_kv(k, v, kv_cache, layer_idx, meta.slot_mapping)
+        out = torch.empty_like(q) if out is None else out
+        k_cache, v_cache = kv_cache.layer(layer_idx)
+        lib = self.kernel or load_kernel()
+        if lib is None or not hasattr(lib, "paged_decode_parts") or not self._takes(q, k_cache, out):
+            raise RuntimeError("deterministic mode needs the CPU decode kernel for these heads (checked at start-up)")
+        if meta.num_reqs and q.shape[0]:
+            self._run_decode_kernel(lib, q, k_cache, v_cache, scale, out, self._token_rows(meta))
+        return out
+
+    def _token_rows(self, meta: AttentionMetadata):
+        """One kernel row per query token of the step: token t of a chunk of L new tokens over a
+        context of C sees C - L + t + 1 keys."""
+
+        def build():
+            starts, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+            req, token, length = [], [], []
+            for i in range(meta.num_reqs):
+                q_len = starts[i + 1] - starts[i]
+                for t in range(q_len):
+                    req.append(i)
+                    token.append(starts[i] + t)
+                    length.append(lens[i] - q_len + t + 1)
+            bounds = _balanced_bounds(length, self.num_threads)
+            return (torch.tensor(req, dtype=torch.int64), torch.tensor(token, dtype=torch.int64),
+                    torch.tensor(length, dtype=torch.int64), _contiguous_tables(meta), bounds,
+                    torch.tensor(bounds, dtype=torch.int64))  # fmt: skip
+
+        return self._per_step("tokens", meta, [], build)
+
+    def refusal(self, num_q_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+        """Why these heads cannot run deterministically here, or None."""
+        lib = self.kernel or load_kernel()
+        if lib is None or not hasattr(lib, "paged_decode_parts"):
+            return "deterministic mode on the CPU needs its C decode-attention kernel, and no C compiler built it"
+        if num_q_heads > MAX_Q_HEADS or num_q_heads * head_dim > MAX_STATE:
+            return f"deterministic mode: the CPU decode kernel takes up to {MAX_Q_HEADS} query heads of {MAX_STATE} values"
+        return None

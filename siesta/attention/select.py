@@ -7,9 +7,20 @@ import torch
 from siesta.attention.base import AttentionBackend
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device, deterministic: bool = False) -> AttentionBackend:
     """``auto`` takes the Triton kernels on CUDA and, elsewhere, the torch reference with
-    its decode rows read in place by a compiled kernel (``cpu_attention``)."""
+    its decode rows read in place by a compiled kernel (``cpu_attention``). ``deterministic``:
+    the batch-invariant variant of the device's own (one kernel, one tiling for every row)."""
+    if deterministic:
+        if name == "torch":
+            raise ValueError("deterministic mode has no torch attention backend: use auto")
+        if device.type == "cuda":
+            from siesta.attention.triton_attention import BatchInvariantTritonAttention
+
+            return BatchInvariantTritonAttention()
+        from siesta.attention.cpu_attention import BatchInvariantCpuAttention
+
+        return BatchInvariantCpuAttention()
     if name == "auto" and device.type != "cuda":
         from siesta.attention.cpu_attention import CpuAttention
 

@@ -208,10 +208,12 @@ class TritonAttention:
         scale: float,
         out: torch.Tensor,
         skip_decode: bool = False,
+        decode_as_prefill: bool = False,
     ) -> None:
         """Any batch in one launch: prefill tiles and decode rows side by side.
 
-        ``skip_decode`` leaves decode rows unwritten, for ``decode`` to fill.
+        ``skip_decode`` leaves decode rows unwritten, for ``decode`` to fill;
+        ``decode_as_prefill`` computes them with the prefill tile (deterministic mode).
         """
         shapes = _shapes(q, k_cache)
         tiles = tiling.prefill_tiles(shapes.head_dim, k_cache.dtype)
@@ -248,6 +250,7 @@ class TritonAttention:
             PAGE_SIZE=k_cache.shape[1],
             SKIP_DECODE=skip_decode,
             DOT_PRECISION=_dot_precision(k_cache.dtype),
+            DECODE_MAX_Q=0 if decode_as_prefill else 1,
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -447,6 +450,30 @@ class TritonAttention:
                 enable_gqa=True,
             )
             out[s:e] = o.squeeze(0).transpose(0, 1)
+
+
+class BatchInvariantTritonAttention(TritonAttention):
+    """Deterministic mode: every batch in one unified launch, decode rows through the prefill
+    tile, no split-KV and no SDPA. A query row then walks its keys in the same tiles, from key
+    0, whatever else is in its tile or its batch, and however its prompt was chunked: key tiles
+    past its own position are wholly masked and leave its sums as they were (the rescale is
+    exp2(0) = 1, the added terms 0). The cost: long contexts at small batch get no split-KV."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        super().__init__(sdpa_prefill_min_tokens=None, decode_splits=1, mixed_decode_min_splits=None, prefill_splits=1)
+
+    def forward(self, q, k, v, kv_cache, layer_idx, meta, scale, out=None):
+        k_cache, v_cache = kv_cache.layer(layer_idx)
+        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if out is None:
+            out = torch.empty_like(q)
+        if meta.num_reqs and q.shape[0]:
+            self.unified(q, k_cache, v_cache, meta, scale, out, decode_as_prefill=True)
+        return out
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

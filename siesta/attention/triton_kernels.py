@@ -322,7 +322,11 @@ def unified_kernel(
     PAGE_SIZE: tl.constexpr,
     SKIP_DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DECODE_MAX_Q: tl.constexpr = 1,
 ):
+    """Requests of at most ``DECODE_MAX_Q`` tokens take the decode branch; 0 (deterministic mode)
+    sends one-token requests through the prefill tile too, so a token's bits are the same
+    whether it came in a prompt chunk or as a decode row."""
     # Last tiles first: in causal attention they see the most keys, so the long
     # programs start early and the short ones fill in behind them.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -335,7 +339,7 @@ def unified_kernel(
         return  # the tile-count bound over-provisions by up to one tile per request
     seq_len = tl.load(seq_lens_ptr + req)
     table_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_table
-    if q_len == 1:
+    if q_len <= DECODE_MAX_Q:
         # SKIP_DECODE: the split-KV kernel serves this batch's decode rows.
         if not SKIP_DECODE:
             acc, m_i, l_i = _decode_range(

@@ -379,6 +379,18 @@ def fidelity(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def deterministic(args: argparse.Namespace) -> dict[str, Any]:
+    """Deterministic mode against the default (each in its own process): decode b1/b64/b256 and
+    an 8k prefill, and one request's bits alone, in a batch of 64, chunked, from the tier and
+    across a kept sleep."""
+    from siesta.bench.deterministic import both_modes
+
+    extra = ["--model", args.model, "--max-model-len", str(args.max_model_len)]
+    if args.device:
+        extra += ["--device", args.device]
+    return both_modes(extra + (args.deterministic_extra.split() if args.deterministic_extra else []))
+
+
 def seed_line(args: argparse.Namespace) -> dict[str, Any]:
     """The seed's serve line exactly as it is given (its tensor-parallel size aside), the seed's
     client unchanged at ``--http-prompt-words``: the figure a user who pastes it gets."""
@@ -804,6 +816,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "resume_http": resume_http,
     "seed_line": seed_line,
     "fidelity": fidelity,
+    "deterministic": deterministic,
     "decode": decode,
     "prefill": prefill,
     "sleep_wake": sleep_wake,
@@ -845,6 +858,12 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
     rows.append(["resume kept vs cleared (p50 speedup)", get("resume", "speedup_p50"),
                  f"goal >= 18x; {get('resume', 'speedup_p50_eager_mixed', default=0) or 0:.1f}x with eager mixed steps, "
                  f"{get('resume', 'speedup_p50_kept_sync', default=0) or 0:.1f}x kept without async scheduling"])
+    if isinstance(results.get("deterministic"), dict) and "cost" in results["deterministic"]:
+        cost = results["deterministic"]["cost"]
+        rows.append(["deterministic mode cost (decode b1 / b64 / b256, prefill)",
+                     " / ".join(f"{cost.get(k, 0):+.1%}" for k in ("decode_b1_step_ms", "decode_b64_step_ms",
+                                                                    "decode_b256_step_ms", "prefill8192_s")),
+                     f"goal <= 10%; bit-identical: {results['deterministic']['bit_identical']}"])  # fmt: skip
     if isinstance(results.get("fidelity"), dict):
         rows.extend(fidelity_rows(results["fidelity"]))
     if isinstance(results.get("seed_line"), dict) and "seed_client" in results["seed_line"]:
@@ -926,6 +945,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fidelity-checkpoint", default="qwen2.5-0.5b", help="fidelity: the shape also loaded from disk")
     ap.add_argument("--fidelity-kv-bytes", type=int, default=FIDELITY_KV_BYTES)
     ap.add_argument("--fidelity-head-shape", default="llama-3-8b", help="fidelity: the shape also run with the fp32 head")
+    ap.add_argument("--deterministic-extra", default=None, help="deterministic: more flags (CPU test runs)")
     ap.add_argument("--seed-line-shape", default="llama-3-8b", help="seed_line: the random shape served as $MODEL")
     ap.add_argument("--seed-line-extra", default=None,
                     help="seed_line: flags after the seed's (CPU test runs only: the GPU run adds none)")

@@ -17,7 +17,7 @@ import torch
 from siesta import cpu_threads
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.select import get_attention_backend
-from siesta.config import EngineConfig, resolve_dtype
+from siesta.config import ConfigError, EngineConfig, resolve_dtype
 from siesta.core import staging
 from siesta.core.cuda_graphs import DecodeGraphs
 from siesta.core.device_memory import ArenaMemory, SleepableMemory
@@ -37,7 +37,7 @@ from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.core.staging import to_device_many
 from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
 from siesta.distributed.collectives import broadcast, min_over_ranks
-from siesta.model import cpu_linear
+from siesta.model import batch_invariant, cpu_linear
 from siesta.model.llama import CausalLM
 from siesta.model.loader import ModelSource
 from siesta.model.parallel import SINGLE, TensorParallel
@@ -160,7 +160,9 @@ class ModelRunner:
             threads = cpu_threads.engine_threads(config.cpu.threads, config.usage_context, tp.size)
             cpu_threads.apply(threads)
             logger.info("CPU threads: %d", threads)
-        self.backend = get_attention_backend(config.attention_backend, self.device)
+        if config.deterministic:
+            batch_invariant.enable()  # before the first matmul: cuBLAS reads its workspace setting once
+        self.backend = get_attention_backend(config.attention_backend, self.device, config.deterministic)
         if self.device.type == "cuda":
             staging.warm_up(self.device)  # pinned and compiled now, not in a step while tier copies run
         else:
@@ -171,6 +173,8 @@ class ModelRunner:
             logger.warning("cuda-python is not installed: sleep frees memory by reallocation and graphs are recaptured")
         self.weight_arena: VirtualArena | None = None
         self.kv_arena: VirtualArena | None = None
+        if config.deterministic and self.device.type == "cpu":
+            self._check_deterministic_cpu(source.hf_config)
         self.model = self._build_model(source)
         self.kv_cache = self._allocate_kv_cache()
         self.sampler = Sampler(seed=config.model.seed, device=self.device)
@@ -187,6 +191,21 @@ class ModelRunner:
             self.recapture_graphs()  # now, not in the first steps that serve requests
 
     # -- setup -----------------------------------------------------------------------
+
+    def _check_deterministic_cpu(self, hf_config) -> None:
+        """Deterministic mode on the CPU runs on siesta's fp32 kernels alone: refuse, naming why,
+        what they cannot take (a torch fallback would silently break the invariance)."""
+        from siesta.model.llama import DecoderShape
+
+        shape = DecoderShape.from_config(hf_config)
+        reasons = [
+            None if self.dtype == torch.float32 else f"deterministic mode on the CPU computes in float32, not {self.dtype}",
+            cpu_linear.invariant_refusal({shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim}),
+            self.backend.refusal(shape.num_heads, shape.num_kv_heads, shape.head_dim),
+        ]
+        reason = next((r for r in reasons if r), None)
+        if reason:
+            raise ConfigError(reason)
 
     def _build_model(self, source: ModelSource) -> CausalLM:
         t0 = time.perf_counter()

@@ -41,6 +41,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="float32: the final norm, output head and logits in fp32 (RL: logprobs nearer the trainer's)")
     p.add_argument("--enable-fp32-lm-head", dest="head_dtype", action="store_const", const="float32",
                    help="SGLang's name for --head-dtype float32")
+    p.add_argument("--deterministic", action="store_true", default=None,
+                   help="batch-invariant: a request's bits do not depend on its batch, chunking or prefix source "
+                        "(or VLLM_BATCH_INVARIANT=1)")
+    p.add_argument("--enable-deterministic-inference", dest="deterministic", action="store_true",
+                   help="SGLang's name for --deterministic")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU: torch's threads per rank (default: the cores this process may use, less one "
                         "for the API server under serve)")
@@ -51,7 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["model", "tokenizer", "dtype", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization",
             "enable_prefix_caching", "prefault_kv_cache", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
             "async_scheduling", "max_waiting_requests", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend",
-            "tensor_parallel_size", "cpu_threads", "head_dtype"]  # fmt: skip
+            "tensor_parallel_size", "cpu_threads", "head_dtype", "deterministic"]  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 

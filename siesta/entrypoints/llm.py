@@ -47,6 +47,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         cpu_threads: int | None = None,
         head_dtype: str = "auto",
+        deterministic: bool | None = None,
     ) -> None:
         self.config = EngineConfig.from_flags(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
@@ -59,6 +60,7 @@ class LLM:
             device=device, enforce_eager=enforce_eager,
             attention_backend=attention_backend, enable_sleep_mode=enable_sleep_mode,
             tensor_parallel_size=tensor_parallel_size, cpu_threads=cpu_threads, head_dtype=head_dtype,
+            deterministic=deterministic,
         )  # fmt: skip
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.source.load_tokenizer()

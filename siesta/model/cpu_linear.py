@@ -43,6 +43,7 @@ from siesta import c_kernels
 from siesta.c_kernels import CFLAGS, NATIVE
 from siesta.config import CPU_MATMULS
 from siesta.cpu_info import cpu_vendor
+from siesta.model import batch_invariant
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
 # Its sums are written out as vectors; without reassociation the compiler keeps each one's
@@ -57,6 +58,9 @@ _AMD_VENDOR = "AuthenticAMD"
 _MAX_ROWS_BY_VENDOR = {_AMD_VENDOR: 128}
 _MAX_ROWS_DEFAULT = 64
 MAX_ROWS = _MAX_ROWS_BY_VENDOR.get(cpu_vendor(), _MAX_ROWS_DEFAULT)
+# Deterministic mode's rows per kernel call: as many as it serves in the default mode on AMD,
+# in cache on either vendor (a whole prefill chunk at once reads x from memory per tile).
+INVARIANT_CHUNK_ROWS = 128
 _library: str | None = None  # of products past MAX_ROWS: set_library's choice (None: auto's, when first asked)
 
 
@@ -114,6 +118,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)`` for fp32 rows on the CPU; None where F.linear itself (MKL) serves."""
     if not _fp32_inference(x, weight, bias):
         return None
+    if batch_invariant.enabled():
+        return invariant_linear(x, weight, bias)
     if _takes_rows(x, weight, bias):
         out = linear_tiled(x, weight, bias)
         if out is not None:
@@ -159,6 +165,27 @@ def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if lib.linear_tiled(_ptr(x), x.stride(0), x.shape[0], _ptr(weight), k, n, _ptr(bias), _ptr(y), y.stride(0)):
         return None
     return y
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Every row through the kernel, ``INVARIANT_CHUNK_ROWS`` at a time (its rows' bits do not
+    depend on how many there are), whatever the row count: deterministic mode's linear."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight, bias = weight.contiguous(), None if bias is None else bias.contiguous()
+    chunks = [linear_tiled(x[i : i + INVARIANT_CHUNK_ROWS], weight, bias) for i in range(0, x.shape[0], INVARIANT_CHUNK_ROWS)]
+    if any(c is None for c in chunks):
+        raise RuntimeError(f"deterministic mode: the CPU linear kernel cannot take a [{x.shape[0]}, {weight.shape[1]}] "
+                           f"x [{weight.shape[1]}, {weight.shape[0]}] product (checked at start-up: a bug)")  # fmt: skip
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def invariant_refusal(in_features: set[int]) -> str | None:
+    """Why deterministic mode cannot run this model's linears on the CPU, or None."""
+    lib = load_gemm()
+    if lib is None:
+        return "deterministic mode on the CPU needs its C linear kernel, and no C compiler built it"
+    odd = sorted(k for k in in_features if k % lib.vec)
+    return f"deterministic mode: the CPU linear kernel takes widths that are multiples of {lib.vec}, not {odd}" if odd else None
 
 
 def _ptr(t: torch.Tensor | None):

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from siesta.model import batch_invariant
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -139,6 +141,8 @@ _HALF_TYPES = (torch.float16, torch.bfloat16)
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return False  # the kernel's output has no backward
+    if batch_invariant.enabled():
+        return False  # one row through it, more through cuBLAS: two reduction orders
     return (
         x.dim() == 2
         and x.shape[0] <= GEMV_ROWS

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from siesta.attention.triton_kv_write import row_num_warps
+from siesta.model import batch_invariant
 
 try:  # Dispatches to the backend's libdevice when compiled (CUDA or HIP).
     from triton.language.extra import libdevice
@@ -173,7 +174,8 @@ def _rms_norm(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         HAS_RESIDUAL=residual is not None,
-        MEAN_BY_DIVISION=x.device.type == "cpu",
+        # Deterministic mode: the division, since torch's CUDA factor follows the row count.
+        MEAN_BY_DIVISION=x.device.type == "cpu" or batch_invariant.enabled(),
         num_warps=row_num_warps(block_h * block_d),
         enable_fp_fusion=False,
     )

@@ -415,3 +415,46 @@ def test_prefill_split_heuristic() -> None:
     assert choose_prefill_splits([44], [200], block_q, kv_heads, sms) == 1
     # Decode rows only: no prefill tiles to split.
     assert choose_prefill_splits([1, 1], [30_000, 30_000], block_q, kv_heads, sms) == 1
+
+
+
+def _replay(batch: Batch, picks: list[tuple[int, int]]):
+    """Queries for (request, last n tokens) picks of ``batch`` after its forward wrote every
+    K/V: each pick's earlier tokens are its cached prefix now. Nothing is written again
+    (negative slots). Returns q, k, v and the metadata."""
+    starts, lens = batch.meta.query_start_loc_cpu, batch.meta.seq_lens_cpu
+    q_rows, q_lens, starts_out = [], [], [0]
+    for i, n in picks:
+        q_rows.append(batch.q[starts[i + 1] - n : starts[i + 1]])
+        q_lens.append(n)
+        starts_out.append(starts_out[-1] + n)
+    q = torch.cat(q_rows)
+    seq_lens = [lens[i] for i, _ in picks]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts_out, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=batch.meta.block_tables[[i for i, _ in picks]].contiguous(),
+        slot_mapping=torch.full((q.shape[0],), -1, dtype=torch.int64, device=DEVICE),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=starts_out, seq_lens_cpu=seq_lens,
+    )  # fmt: skip
+    kv = torch.zeros(q.shape[0], NUM_KV_HEADS, q.shape[-1], dtype=q.dtype, device=DEVICE)
+    return q, kv, kv, meta
+
+
+def test_batch_invariant_mode_gives_a_token_the_same_bits_in_a_chunk_as_a_decode_row() -> None:
+    """Deterministic mode: the last token of a 40-token extend over a cached prefix has the same
+    output bits computed inside that chunk, at the end of shorter chunks over longer prefixes,
+    and as a decode row, alone or beside other requests."""
+    from siesta.attention.triton_attention import BatchInvariantTritonAttention
+
+    block, head_dim, group = 16, 64, 4
+    batch = make_batch([(70, 40), (33, 1), (0, 25), (50, 1), (0, 9)], group, head_dim, block, torch.float32, seed=7)
+    backend = BatchInvariantTritonAttention()
+    full = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale)
+    check_against_oracles(batch, backend, full)
+    token = full[batch.meta.query_start_loc_cpu[1] - 1]
+    for picks in ([(0, 1)], [(0, 7)], [(0, 39)], [(3, 1), (0, 1), (4, 9)], [(2, 25), (0, 1), (1, 1)]):
+        q, k, v, meta = _replay(batch, picks)
+        out = backend.forward(q, k, v, batch.kv_cache, LAYER, meta, batch.scale)
+        row = meta.query_start_loc_cpu[[i for i, _ in picks].index(0) + 1] - 1
+        assert torch.equal(out[row], token), picks

@@ -79,3 +79,4 @@ def test_the_gpu_section_runs_on_the_cpu_in_small():
     assert out["tiny-qwen2"]["push_equals_checkpoint"] is not None
     rows = gpu.summary({"fidelity": out})
     assert any("tiny-qwen2 checkpoint_batch1" in r[0] for r in rows)
+
