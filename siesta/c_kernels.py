@@ -38,6 +38,7 @@ from siesta.cache_dir import cache_dir
 logger = logging.getLogger(__name__)
 
 NATIVE = "native"
+MARCH_ENV = "SIESTA_CPU_MARCH"
 _NATIVE_FLAG = f"-march={NATIVE}"
 # Reassociation lets gcc vectorize sums. Not -ffast-math: a shared object built with it sets
 # flush-to-zero for the whole process when it is loaded. -fopenmp: kernels split their work
@@ -110,7 +111,12 @@ def failure_marker(path: Path) -> Path:
 
 def build(name: str, source: bytes, flags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL | None:
     """``source`` compiled with ``flags`` into the cache and loaded; None without a working C
-    compiler, or where this build failed, now or on an earlier start (the reason is logged)."""
+    compiler, or where this build failed, now or on an earlier start (the reason is logged).
+    ``SIESTA_CPU_MARCH`` (e.g. ``x86-64-v3``) builds every native kernel for that target instead:
+    a cache for other machines, or this suite as an AVX2-only machine runs it."""
+    march = os.environ.get(MARCH_ENV)
+    if march and _NATIVE_FLAG in flags:
+        flags = with_march(flags, march)
     cc = compiler()
     if cc is None:
         logger.warning("no C compiler found: the CPU runs %s's work through torch (slower)", name)

@@ -148,3 +148,22 @@ def test_ranks_starting_together_fail_once_with_one_warning(cc_log: Path) -> Non
     assert _calls(cc_log)[0] == 1
     warnings = [line for r in results for line in r.stderr.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1, warnings
+
+
+def test_the_environment_can_build_every_native_kernel_for_another_target(tmp_path, monkeypatch):
+    """SIESTA_CPU_MARCH=x86-64-v3: the library an AVX2-only machine would build, here."""
+    import platform
+
+    import pytest
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("an x86-64 target")
+    from siesta import c_kernels
+
+    monkeypatch.setenv("SIESTA_CACHE_DIR", str(tmp_path))
+    source = b"int answer(void) { return 42; }\n"
+    native = c_kernels.build("probe", source)
+    monkeypatch.setenv(c_kernels.MARCH_ENV, "x86-64-v3")
+    avx2 = c_kernels.build("probe", source)
+    assert native.answer() == avx2.answer() == 42
+    assert len(list((tmp_path / c_kernels.KERNEL_SUBDIR).glob("probe-*.so"))) == 2  # two keys: two builds
