@@ -22,9 +22,11 @@ import torch
 
 from siesta.attention.torch_ref import TorchAttention
 from siesta.bench.common import median, print_table, write_json
-from siesta.model.llama import CausalLM, WeightTarget
-from siesta.model.parallel import TensorParallel
+from siesta.model import registry
+from siesta.model.interface import CausalModel
 from siesta.model.random_init import RANDOM_SHAPES, parameter_layout
+from siesta.model.weights import WeightTarget
+from siesta.parallel import TensorParallel
 
 REPS = 5
 MAX_POSITIONS = 16  # rotary tables only; nothing runs
@@ -47,9 +49,9 @@ def _timed(fn: Callable[[], None], device: torch.device, reps: int) -> float:
     return median(times)
 
 
-def _rank_model(config: Any, tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def _rank_model(config: Any, tp: TensorParallel, dtype: torch.dtype, device: torch.device) -> CausalModel:
     with torch.device("meta"):
-        model = CausalLM(config, MAX_POSITIONS, TorchAttention(), tp)
+        model = registry.build_model(config, MAX_POSITIONS, TorchAttention(), tp)
     return model.to(dtype=dtype).to_empty(device=device)
 
 
@@ -67,7 +69,8 @@ def measure(shape: str, layers: int, tp_size: int, device: torch.device, dtype: 
         model = _rank_model(config, tp, dtype, device)
         params = model.parameter_table()
         targets: list[tuple[WeightTarget, torch.Tensor]] = [(model.weight_target(n, params), t) for n, t in full.items()]
-        shards = [(target.view, target.shard_of(tensor).contiguous()) for target, tensor in targets]
+        # Per cut: a stacked expert tensor pushed whole lands in two ranges of each rank's (gate, up).
+        shards = [(cut.dest, cut.of(tensor).contiguous()) for target, tensor in targets for cut in target.cuts]
         shard_bytes = sum(s.numel() * s.element_size() for _, s in shards)
 
         def slice_full(targets=targets) -> None:

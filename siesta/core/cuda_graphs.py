@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from siesta.attention.base import AttentionMetadata, KVCache
-from siesta.model.llama import CausalLM
+from siesta.model.interface import CausalModel
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class _Buffers:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, max_batch: int, max_model_len: int, block_size: int) -> None:
+    def __init__(self, model: CausalModel, kv_cache: KVCache, max_batch: int, max_model_len: int, block_size: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len

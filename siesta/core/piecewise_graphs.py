@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from siesta.attention.base import AttentionMetadata, KVCache
-from siesta.model.llama import CausalLM
+from siesta.model.interface import CausalModel
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class _Buffers:
 
 
 class PiecewiseGraphs:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, max_tokens: int, use_graphs: bool = True) -> None:
+    def __init__(self, model: CausalModel, kv_cache: KVCache, max_tokens: int, use_graphs: bool = True) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.use_graphs = use_graphs
@@ -58,7 +58,7 @@ class PiecewiseGraphs:
         self.buckets = sorted({b for b in BUCKETS if b < max_tokens} | {holds_all})
         shape, local = model.shape, model.local  # attention buffers hold this rank's heads
         n, dev = self.buckets[-1], kv_cache.tensor.device
-        dtype = model.lm_head.weight.dtype
+        dtype = model.weight_dtype
 
         def zeros(*dims: int) -> torch.Tensor:
             return torch.zeros((n, *dims), dtype=dtype, device=dev)
@@ -78,7 +78,7 @@ class PiecewiseGraphs:
 
     @property
     def num_pieces(self) -> int:
-        return len(self.model.model.layers) + 1
+        return len(self.model.decoder_layers) + 1
 
     def bucket_for(self, num_tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= num_tokens), None)
@@ -87,9 +87,9 @@ class PiecewiseGraphs:
 
     def _piece(self, index: int, t: int) -> None:
         """Piece ``index`` over the buffers' first ``t`` rows."""
-        buf, layers = self.buf, self.model.model.layers
+        buf, layers = self.buf, self.model.decoder_layers
         if index == 0:
-            x, residual = self.model.model.embed_tokens(buf.input_ids[:t]), None
+            x, residual = self.model.embed(buf.input_ids[:t]), None
         else:
             x, residual = layers[index - 1].after_attention(buf.attn_out[:t], buf.residual[:t])
         if index == len(layers):
@@ -103,7 +103,7 @@ class PiecewiseGraphs:
 
     def _attention(self, index: int, n: int, meta: AttentionMetadata) -> None:
         buf = self.buf
-        self.model.model.layers[index].self_attn.attend(
+        self.model.decoder_layers[index].attend(
             buf.q[:n], buf.k[:n], buf.v[:n], self.kv_cache, meta, out=buf.attn_out[:n]
         )
 

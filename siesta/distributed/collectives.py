@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from siesta.model.parallel import TensorParallel
+from siesta.parallel import TensorParallel
 
 SOURCE_RANK = 0  # the engine core's rank: it schedules and samples
 

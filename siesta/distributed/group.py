@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from siesta.model.parallel import TensorParallel
+from siesta.parallel import TensorParallel
 
 STORE_PREFIX = "siesta-tensor-parallel"
 LOOPBACK = "127.0.0.1"

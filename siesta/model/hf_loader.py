@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from siesta.model.llama import SUPPORTED_MODEL_TYPES
+from siesta.model.registry import check_model_type
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -60,10 +60,10 @@ def load_config(directory: Path) -> PretrainedConfig:
     if not config_path.is_file():
         raise ValueError(f"{directory} has no {CONFIG_FILE}, so it is not a Hugging Face model directory")
     model_type = json.loads(config_path.read_text()).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{config_path}: model_type {model_type!r} is not supported; siesta runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    try:
+        check_model_type(model_type)
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from None
     return AutoConfig.from_pretrained(directory)
 
 

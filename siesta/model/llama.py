@@ -1,4 +1,6 @@
-"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm); the
+base of the families that share its attention (``qwen3_moe``). Its checkpoint names are
+``llama_names``'s.
 
 Parameters keep Hugging Face checkpoint names, except that q/k/v and gate/up are
 fused into one matmul each; ``load_weights`` maps checkpoint tensors onto them, so
@@ -11,92 +13,28 @@ checkpoint tensor that is: every loader and every weight push hands over full te
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from siesta.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from siesta.model import llama_names
+from siesta.model.interface import KVLayout, PiecewiseLayer, RoutingSink
 from siesta.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
-from siesta.model.parallel import SINGLE, TensorParallel
+from siesta.model.registry import SUPPORTED_MODEL_TYPES, check_model_type
 from siesta.model.tensor_parallel import LocalShape, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from siesta.model.weights import UNPLANNED, CheckpointPart, Place, Plan, WeightCut, WeightTarget
+from siesta.parallel import SINGLE, TensorParallel
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-class WeightCut(NamedTuple):
-    """``full.narrow(dim, start, length)`` of a full checkpoint tensor lands in ``dest``.
-
-    Tuples, not dataclasses: a weight push builds a target per tensor, and a frozen
-    dataclass's ``__init__`` costs a microsecond more per object (the 8B push is 291 tensors)."""
-
-    dest: torch.Tensor
-    dim: int
-    start: int
-    length: int
-    whole: bool  # the cut is the full tensor itself: taken as is (no view to build per tensor)
-
-    def of(self, full: torch.Tensor) -> torch.Tensor:
-        return full if self.whole else full.narrow(self.dim, self.start, self.length)
+# Re-exported: the updater, the benches and the tests take them from here.
+__all__ = ["SUPPORTED_MODEL_TYPES", "CausalLM", "DecoderShape", "WeightCut", "WeightTarget"]
 
 
-class WeightTarget(NamedTuple):
-    """Where a full checkpoint tensor goes on this rank, and which part of it this rank keeps.
-
-    One cut, except for a fused q|k|v (or gate|up) tensor pushed whole under tensor
-    parallelism: this rank's q rows, its k rows and its v rows are three ranges of it.
-    """
-
-    keys: tuple[str, ...]  # what ``load_weights`` reports written: "param", or "param:shard" per shard
-    full_shape: tuple[int, ...]  # the whole tensor's shape, as checkpoints and trainers hold it
-    cuts: tuple[WeightCut, ...]
-
-    @property
-    def view(self) -> torch.Tensor:
-        """This rank's destination of a one-cut target (what the checkpoint tensor's shard becomes)."""
-        if len(self.cuts) != 1:
-            raise ValueError(f"{self.keys} land in {len(self.cuts)} places on this rank, not one")
-        return self.cuts[0].dest
-
-    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of ``full``: a view for one cut; the pieces of a fused tensor joined."""
-        if len(self.cuts) == 1:
-            return self.cuts[0].of(full)
-        return torch.cat([cut.of(full) for cut in self.cuts], dim=self.cuts[0].dim)
-
-    def write(self, full: torch.Tensor) -> None:
-        """Copy this rank's part of ``full`` into the parameters (casting to their dtype)."""
-        for cut in self.cuts:
-            cut.dest.copy_(cut.of(full))
-
-
-class _Place(NamedTuple):
-    """A WeightCut without its tensor: ``full.narrow(dim, start, length)`` lands in the
-    parameter's ``length`` rows from ``dest_offset`` (along ``dim``)."""
-
-    dim: int
-    dest_offset: int
-    start: int
-    length: int
-    whole: bool  # the cut is the full tensor itself
-    all_rows: bool  # the destination is the whole parameter
-
-    def bind(self, param: torch.Tensor) -> WeightCut:
-        dest = param if self.all_rows else param.narrow(self.dim, self.dest_offset, self.length)
-        return WeightCut(dest, self.dim, self.start, self.length, self.whole)
-
-
-class _Plan(NamedTuple):
-    pname: str
-    keys: tuple[str, ...]
-    full_shape: tuple[int, ...]
-    places: tuple[_Place, ...]
-
-
-_UNPLANNED = object()
+# Qwen3's attention norms q and k per head (its MoE sibling shares the attention).
+QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe"})
 
 
 @dataclass(frozen=True)
@@ -121,8 +59,7 @@ class DecoderShape:
     @classmethod
     def from_config(cls, config: Any) -> DecoderShape:
         model_type = config.model_type
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported; siesta runs {', '.join(SUPPORTED_MODEL_TYPES)}")
+        check_model_type(model_type)
         heads = config.num_attention_heads
         return cls(
             model_type=model_type,
@@ -137,7 +74,7 @@ class DecoderShape:
             max_position_embeddings=config.max_position_embeddings,
             # Qwen2 always has q/k/v biases; the others say so in attention_bias.
             qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in QK_NORM_TYPES,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             rope=rope_parameters(config),
         )
@@ -218,12 +155,15 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
         tp: TensorParallel,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """``mlp``: what follows attention, the dense MLP unless a family gives another (a
+        sparse mixture-of-experts block)."""
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
         self.self_attn = Attention(shape, local, layer_idx, rotary, backend, tp)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape, local, tp)
+        self.mlp = MLP(shape, local, tp) if mlp is None else mlp
 
     def forward(
         self,
@@ -251,6 +191,17 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm.add_and_norm(x, residual)
         return (*self.self_attn.project(h, positions), residual)
 
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.self_attn.attend(q, k, v, kv_cache, meta, out=out)
+
     def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's output (not yet added to the residual stream) and the residual stream."""
         h = self.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
@@ -260,7 +211,13 @@ class DecoderLayer(nn.Module):
 
 class DecoderModel(nn.Module):
     def __init__(
-        self, shape: DecoderShape, local: LocalShape, max_positions: int, backend: AttentionBackend, tp: TensorParallel
+        self,
+        shape: DecoderShape,
+        local: LocalShape,
+        max_positions: int,
+        backend: AttentionBackend,
+        tp: TensorParallel,
+        mlp_for: Callable[[int], nn.Module | None] | None = None,
     ) -> None:
         super().__init__()
         if tp.size == 1:
@@ -270,12 +227,21 @@ class DecoderModel(nn.Module):
         # One table shared by every layer; not a parameter, never loaded.
         self.rotary = RotaryEmbedding(shape.head_dim, max_positions, shape.rope)
         self.layers = nn.ModuleList(
-            DecoderLayer(shape, local, i, self.rotary, backend, tp) for i in range(shape.num_layers)
+            DecoderLayer(shape, local, i, self.rotary, backend, tp, None if mlp_for is None else mlp_for(i))
+            for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
+    """The dense decoder (``siesta.model.interface.CausalModel``). Another family that shares
+    its attention subclasses it: its shape, what follows attention (``_mlp``), its checkpoint
+    names (``map_name``) and the plans of the parameters it adds (``_plan_part``)."""
+
+    shape_class: type[DecoderShape] = DecoderShape
+    map_name = staticmethod(llama_names.map_checkpoint_name)
+    routing: RoutingSink | None = None  # a dense model routes nowhere
+
     def __init__(self, config: Any, max_positions: int, backend: AttentionBackend, tp: TensorParallel = SINGLE,
                  head_fp32: bool = False) -> None:  # fmt: skip
         super().__init__()
@@ -283,7 +249,7 @@ class CausalLM(nn.Module):
         # The final norm, the output head and so the logits in fp32 whatever the weights' dtype
         # (vLLM's head_dtype, SGLang's fp32 LM head): bf16 logits round by up to 1/32 at |8|.
         self.head_fp32 = head_fp32
-        self.shape = DecoderShape.from_config(config)  # the whole model's
+        self.shape = self.shape_class.from_config(config)  # the whole model's
         self.local = LocalShape.of(
             num_layers=self.shape.num_layers,
             head_dim=self.shape.head_dim,
@@ -294,12 +260,36 @@ class CausalLM(nn.Module):
             tp=tp,
         )
         self._shard_ranges = self._part_ranges()
-        self.model = DecoderModel(self.shape, self.local, max_positions, backend, tp)
+        self.model = DecoderModel(self.shape, self.local, max_positions, backend, tp, self._mlp)
         if tp.size == 1:
             self.lm_head = Linear(self.shape.hidden_size, self.shape.vocab_size, bias=False)
         else:
             self.lm_head = ParallelLMHead(self.local, self.shape.hidden_size, self.shape.vocab_size, tp)
         self.tie_weights()
+
+    def _mlp(self, layer_idx: int) -> nn.Module | None:
+        """What follows attention in layer ``layer_idx``; None: the dense MLP."""
+        return None
+
+    # -- the interface's views ---------------------------------------------------------
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(self.local.num_layers, self.local.num_kv_heads, self.local.head_dim)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def decoder_layers(self) -> Sequence[PiecewiseLayer]:
+        return self.model.layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def build_tables(self, device: torch.device | None) -> None:
+        self.model.rotary.build_tables(device)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head; again after ``to_empty``, which unties them.
@@ -380,25 +370,25 @@ class CausalLM(nn.Module):
         """
         params = self.parameter_table() if params is None else params
         plans = self.__dict__.setdefault("_weight_plans", {})
-        plan = plans.get(name, _UNPLANNED)
-        if plan is _UNPLANNED:
+        plan = plans.get(name, UNPLANNED)
+        if plan is UNPLANNED:
             plan = plans[name] = self._plan(name, params)  # names and shapes never change: planned once
-        if plan is None:
-            return None
-        param = params[plan.pname].data  # the parameter now: sleep and to_empty may swap it
-        places = plan.places
-        cuts = (places[0].bind(param),) if len(places) == 1 else tuple(place.bind(param) for place in places)
-        return WeightTarget(plan.keys, plan.full_shape, cuts)
+        return None if plan is None else plan.bind(params)
 
-    def _plan(self, name: str, params: dict[str, nn.Parameter]) -> _Plan | None:
-        mapped = _map_checkpoint_name(name)
-        if mapped is None:
+    def _plan(self, name: str, params: dict[str, nn.Parameter]) -> Plan | None:
+        part = self.map_name(name)
+        if part is None:
             return None
-        pname, shard, _ = mapped
-        if pname == "lm_head.weight" and self.shape.tie_word_embeddings:
+        if part.pname == "lm_head.weight" and self.shape.tie_word_embeddings:
             return None  # some tied checkpoints store the shared matrix twice
-        if pname not in params:
+        if part.pname not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in this {self.shape.model_type} model")
+        return self._plan_part(name, part, params)
+
+    def _plan_part(self, name: str, part: CheckpointPart, params: dict[str, nn.Parameter]) -> Plan:
+        """The plan of a checkpoint tensor whose parameter is ``part.pname`` (a family adds its
+        own parameters' plans here)."""
+        pname, shard = part.pname, part.shard
         shape = tuple(params[pname].shape)
         module = self._merged_modules().get(pname.rsplit(".", 1)[0])
         if shard is not None:
@@ -406,29 +396,29 @@ class CausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} is a shard, but {pname!r} is not a fused layer here")
             offset, _ = module.offsets[shard]
             start, length, full = self._shard_ranges[shard]
-            place = _Place(0, offset, start, length, whole=length == full, all_rows=False)
-            return _Plan(pname, (f"{pname}:{shard}",), (full, *shape[1:]), (place,))
+            place = Place(0, offset, start, length, whole=length == full, all_rows=False)
+            return Plan(pname, (f"{pname}:{shard}",), (full, *shape[1:]), (place,))
         if module is not None:
             return self._fused_plan(pname, shape, module)
         dim, start, length, full = self._split_of(pname) or (0, 0, shape[0], shape[0])
         whole = start == 0 and length == full == shape[dim]
         full_shape = (*shape[:dim], full, *shape[dim + 1 :])
-        place = _Place(dim, 0, start, length, whole=whole, all_rows=length == shape[dim])
-        return _Plan(pname, (pname,), full_shape, (place,))
+        place = Place(dim, 0, start, length, whole=whole, all_rows=length == shape[dim])
+        return Plan(pname, (pname,), full_shape, (place,))
 
-    def _fused_plan(self, pname: str, shape: tuple[int, ...], module: MergedLinear) -> _Plan:
+    def _fused_plan(self, pname: str, shape: tuple[int, ...], module: MergedLinear) -> Plan:
         """A fused q|k|v or gate|up tensor pushed whole: each rank takes its rows of every part."""
         keys = tuple(f"{pname}:{shard}" for shard in module.offsets)
         ranges = [self._shard_ranges[shard] for shard in module.offsets]
         full_rows = sum(full for _, _, full in ranges)
         full_shape = (full_rows, *shape[1:])
         if full_rows == shape[0]:  # one device: the whole tensor in one copy
-            return _Plan(pname, keys, full_shape, (_Place(0, 0, 0, full_rows, whole=True, all_rows=True),))
+            return Plan(pname, keys, full_shape, (Place(0, 0, 0, full_rows, whole=True, all_rows=True),))
         places, offset = [], 0
         for (local_offset, _), (start, length, full) in zip(module.offsets.values(), ranges):
-            places.append(_Place(0, local_offset, offset + start, length, whole=False, all_rows=False))
+            places.append(Place(0, local_offset, offset + start, length, whole=False, all_rows=False))
             offset += full
-        return _Plan(pname, keys, full_shape, tuple(places))
+        return Plan(pname, keys, full_shape, tuple(places))
 
     def _part_ranges(self) -> dict[str, tuple[int, int, int]]:
         """``(start, length, full length)`` of this rank's rows in each part's full checkpoint tensor."""
@@ -465,32 +455,16 @@ class CausalLM(nn.Module):
         return dict(self.named_parameters(remove_duplicate=False))
 
     def expected_weight_names(self) -> set[str]:
-        """What a complete checkpoint writes, in ``load_weights``'s return format."""
+        """What a complete checkpoint writes, in ``load_weights``'s return format: a fused layer's
+        parts, the experts of a module that says so (``weight_keys``), else each parameter."""
         names: set[str] = set()
         for pname, _ in self.named_parameters():
             module_name, _ = pname.rsplit(".", 1)
             module = self.get_submodule(module_name)
             if isinstance(module, MergedLinear):
                 names.update(f"{pname}:{shard}" for shard in module.offsets)
+            elif hasattr(module, "weight_keys"):
+                names.update(module.weight_keys(pname))
             else:
                 names.add(pname)
         return names
-
-
-# Checkpoint names seen by weight pushes (every push repeats the model's few hundred).
-CHECKPOINT_NAME_CACHE = 4096
-_SHARDS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-           "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}  # fmt: skip
-
-
-@functools.lru_cache(maxsize=CHECKPOINT_NAME_CACHE)
-def _map_checkpoint_name(name: str) -> tuple[str, str | None, str] | None:
-    """HF name -> (parameter name, shard or None, weight|bias); None for tensors we do not keep."""
-    if "rotary_emb" in name:
-        return None
-    parts = name.split(".")
-    kind = parts[-1]
-    if len(parts) >= 2 and parts[-2] in _SHARDS:
-        fused, shard = _SHARDS[parts[-2]]
-        return ".".join([*parts[:-2], fused, kind]), shard, kind
-    return name, None, kind
