@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from siesta.metrics import MetricsRegistry
-from siesta.request import CompletionOutput, EngineCoreOutput, Logprob, PromptLogprobs, RequestOutput, WeightVersionSpan
+from siesta.request import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    RoutedExperts,
+    WeightVersionSpan,
+)
 from siesta.sampling import SamplingParams
 from siesta.tokenizer import IncrementalDetokenizer, find_stop
 
@@ -34,6 +42,7 @@ class RequestState:
     weight_version: str = "0"
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     error: str | None = None
+    routed_experts: RoutedExperts | None = None  # on the finishing output, where asked for
     last_token_time: float | None = None
     last_delta_chars: int = 0  # text added by the latest tokens, where a stop string may end
     # Where the caller's last delta ended (streaming).
@@ -84,7 +93,10 @@ class OutputProcessor:
 
     def _apply(self, state: RequestState, out: EngineCoreOutput, now: float) -> None:
         state.num_cached_tokens = out.num_cached_tokens
-        state.weight_version = out.weight_version
+        if out.new_token_ids or not state.token_ids:
+            # The version of the weights that sampled the last token (an abort carries no token:
+            # its answer says which weights produced what it returns, as its spans do).
+            state.weight_version = out.weight_version
         if out.new_token_ids:
             if state.last_token_time is None:
                 self.metrics.observe("time_to_first_token_seconds", now - state.arrival)
@@ -107,6 +119,7 @@ class OutputProcessor:
             state.last_delta_chars = len(delta)
         if out.finish_reason is not None:
             state.finish_reason, state.stop_reason, state.error = out.finish_reason, out.stop_reason, out.error
+            state.routed_experts = out.routed_experts
 
     @staticmethod
     def _extend_spans(state: RequestState, version: str, count: int) -> None:
@@ -183,6 +196,7 @@ class OutputProcessor:
             finish_reason=state.finish_reason,
             stop_reason=state.stop_reason,
             weight_versions=[WeightVersionSpan(s.weight_version, s.start, s.end) for s in state.weight_versions],
+            routed_experts=state.routed_experts,
         )
 
     @staticmethod

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import enum
 import time
 from array import array
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import torch
 
 from siesta.sampling import SamplingParams
@@ -114,6 +116,34 @@ class PromptLogprobs(msgspec.Struct, omit_defaults=True):
     top: list[list[tuple[int, float]]] = []
 
 
+class RoutedExperts(msgspec.Struct, omit_defaults=True):
+    """Each token's top-k expert ids in every decoder layer, in router order (the largest
+    weight first): the request's tokens ``[start, start + rows)`` of prompt then output, up to
+    its last token, which is never computed (SGLang's ``seqlen - 1`` rows). ``data`` is C-order
+    ``[rows, num_layers, top_k]`` of little-endian ``dtype`` (int8 up to 128 experts, else
+    int16: a compact wire); -1 where no id is known (a dense layer, a block of KV loaded from
+    the host or disk tier)."""
+
+    start: int
+    num_layers: int
+    top_k: int
+    dtype: str
+    data: bytes
+
+    @property
+    def rows(self) -> int:
+        return len(self.data) // (np.dtype(self.dtype).itemsize * self.num_layers * self.top_k)
+
+    def array(self) -> np.ndarray:
+        """``[rows, num_layers, top_k]`` int32."""
+        ids = np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<"))
+        return ids.astype(np.int32).reshape(self.rows, self.num_layers, self.top_k)
+
+    def sglang_base64(self) -> str:
+        """SGLang's ``meta_info["routed_experts"]``: base64 of the int32 little-endian array."""
+        return base64.b64encode(self.array().astype("<i4").tobytes()).decode("ascii")
+
+
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     """New tokens of one request from one step (or its end)."""
 
@@ -127,6 +157,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     num_cached_tokens: int = 0
     weight_version: str = "0"
     error: str | None = None
+    # On the output that finishes a request that asked for them (SamplingParams.return_routed_experts).
+    routed_experts: RoutedExperts | None = None
 
     @property
     def finished(self) -> bool:
@@ -153,6 +185,9 @@ class CompletionOutput(msgspec.Struct):
     stop_reason: int | str | None = None
     # Which weights sampled which tokens: one span unless a weight update landed mid-request.
     weight_versions: list[WeightVersionSpan] = []
+    # Once finished, where SamplingParams.return_routed_experts asked: the experts of this
+    # continuation's tokens (prompt then output), see RoutedExperts.
+    routed_experts: RoutedExperts | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -75,6 +75,13 @@ class SamplingParams:
     # and penalties applied, divided by the temperature), as SGLang reports them by default;
     # greedy rows keep the raw ones. False: vLLM's raw logprobs.
     scaled_logprobs: bool = False
+    # vLLM's: with a mixture-of-experts model served with enable_return_routed_experts, the
+    # routing returned starts at this prompt token (SGLang's routed_experts_start_len; at most
+    # the prompt's length); see request.RoutedExperts.
+    routed_experts_prompt_start: int = 0
+    # SGLang's per-request return_routed_experts (vLLM returns the routing of every request once
+    # the engine records it; its routes set this for each).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         self.stop = _normalise_stop(self.stop)
@@ -169,6 +176,9 @@ class SamplingParams:
         _check_logit_bias(self.logit_bias)
         _check_allowed_token_ids(self.allowed_token_ids)
         _check_bad_words_token_ids(self.bad_words_token_ids)
+        if not isinstance(self.return_routed_experts, bool):
+            raise ValueError(f"return_routed_experts must be a bool, got {self.return_routed_experts!r}")
+        _check_int("routed_experts_prompt_start", self.routed_experts_prompt_start, minimum=0)
 
     def _validate_min_tokens(self) -> None:
         _check_int("min_tokens", self.min_tokens, minimum=0)

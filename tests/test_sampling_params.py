@@ -43,9 +43,10 @@ VLLM_DEFAULTS: dict[str, Any] = {
     "bad_words": [],
     "truncate_prompt_tokens": None,
     "bad_words_token_ids": None,  # vLLM's _bad_words_token_ids
+    "routed_experts_prompt_start": 0,
 }
 # siesta's own, off by default: a default request behaves as vLLM's.
-SIESTA_DEFAULTS: dict[str, Any] = {"scaled_logprobs": False}
+SIESTA_DEFAULTS: dict[str, Any] = {"scaled_logprobs": False, "return_routed_experts": False}
 
 
 def test_defaults_equal_vllm() -> None:

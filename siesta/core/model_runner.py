@@ -22,7 +22,10 @@ from siesta.core import staging
 from siesta.core.cuda_graphs import DecodeGraphs
 from siesta.core.device_memory import ArenaMemory, SleepableMemory
 from siesta.core.host_backup import CAPTURE_LOCK
+from siesta.core.piecewise_graphs import BUCKETS as PIECEWISE_BUCKETS
 from siesta.core.piecewise_graphs import PiecewiseGraphs
+from siesta.core.routed_experts import PendingRouting, RoutedExpertsStore, RoutedRows, id_dtype
+from siesta.core.routed_experts import refusal as routed_experts_refusal
 from siesta.core.sampler import (
     PendingSamples,
     PromptScores,
@@ -37,11 +40,12 @@ from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.core.staging import to_device_many
 from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
 from siesta.distributed.collectives import broadcast, min_over_ranks
-from siesta.model import batch_invariant, cpu_linear
-from siesta.model.llama import CausalLM
+from siesta.model import batch_invariant, cpu_linear, registry
+from siesta.model.interface import CausalModel
 from siesta.model.loader import ModelSource
-from siesta.model.parallel import SINGLE, TensorParallel
-from siesta.request import TOKEN_TYPECODE, PromptLogprobs, Request
+from siesta.parallel import SINGLE, TensorParallel
+from siesta.request import TOKEN_TYPECODE, EngineCoreOutput, PromptLogprobs, Request
+from siesta.sampling import SamplingParams
 from siesta.tiers.base import KVConnector
 
 logger = logging.getLogger(__name__)
@@ -129,12 +133,16 @@ class LaunchedStep:
     sampled_ids: list[str]  # the requests of the sampled rows, in row order
     samples: PendingSamples | None
     prompt_ids: list[str] = field(default_factory=list)  # the requests of its prompt scores, in order
+    routing: PendingRouting | None = None  # the experts its tokens took, where recorded
 
     def __post_init__(self) -> None:
         self.row_of = {rid: row for row, rid in enumerate(self.sampled_ids)}
 
     def results(self) -> dict[str, SampleResult]:
         """Wait for this step's samples (and nothing queued after them)."""
+        if self.routing is not None:  # before the outputs that may finish its requests
+            routing, self.routing = self.routing, None
+            routing.land()
         if self.samples is None:
             return {}
         return dict(zip(self.sampled_ids, self.samples.results()))
@@ -177,6 +185,9 @@ class ModelRunner:
             self._check_deterministic_cpu(source.hf_config)
         self.model = self._build_model(source)
         self.kv_cache = self._allocate_kv_cache()
+        self.routed: RoutedExpertsStore | None = None  # the experts tokens took (rank 0, where asked)
+        if config.model.enable_return_routed_experts:
+            self._record_routing(source.name)  # before the graphs, which capture the writes
         self.sampler = Sampler(seed=config.model.seed, device=self.device)
         self.connector: KVConnector | None = None  # set by the engine core when tiers are configured
         self.graphs: DecodeGraphs | None = None
@@ -195,23 +206,24 @@ class ModelRunner:
     def _check_deterministic_cpu(self, hf_config) -> None:
         """Deterministic mode on the CPU runs on siesta's fp32 kernels alone: refuse, naming why,
         what they cannot take (a torch fallback would silently break the invariance)."""
-        from siesta.model.llama import DecoderShape
-
-        shape = DecoderShape.from_config(hf_config)
+        shape = registry.shape_of(hf_config)
+        # Every matrix's input width: the MoE experts' too (their down projections read theirs).
+        widths = {shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim}
+        widths.update(w for w in (getattr(shape, "moe_intermediate_size", None),) if w)
         reasons = [
             None if self.dtype == torch.float32 else f"deterministic mode on the CPU computes in float32, not {self.dtype}",
-            cpu_linear.invariant_refusal({shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim}),
+            cpu_linear.invariant_refusal(widths),
             self.backend.refusal(shape.num_heads, shape.num_kv_heads, shape.head_dim),
         ]
         reason = next((r for r in reasons if r), None)
         if reason:
             raise ConfigError(reason)
 
-    def _build_model(self, source: ModelSource) -> CausalLM:
+    def _build_model(self, source: ModelSource) -> CausalModel:
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = CausalLM(source.hf_config, self.max_model_len, self.backend, self.tp,
-                             head_fp32=self.config.model.head_fp32)
+            model = registry.build_model(source.hf_config, self.max_model_len, self.backend, self.tp,
+                                         head_fp32=self.config.model.head_fp32)
         # Materialise on the device without initialising: every parameter is loaded next.
         model = model.to(dtype=self.dtype)
         if self.use_arenas:
@@ -219,14 +231,14 @@ class ModelRunner:
         else:
             model = model.to_empty(device=self.device)
         model.tie_weights()
-        model.model.rotary.build_tables(self.device)
+        model.build_tables(self.device)
         self.load_weights(model, source.iter_weights(self.dtype, self.device), complete=True)
         model.eval()
         logger.info("loaded %s in %.1fs (%s, %s)", source.name, time.perf_counter() - t0, self.dtype, self.device)
         return model
 
     @staticmethod
-    def load_weights(model: CausalLM, weights, complete: bool = False) -> set[str]:
+    def load_weights(model: CausalModel, weights, complete: bool = False) -> set[str]:
         written = model.load_weights(weights)
         if complete:
             missing = model.expected_weight_names() - written
@@ -235,7 +247,7 @@ class ModelRunner:
         return written
 
     def _allocate_kv_cache(self) -> KVCache:
-        shape = self.model.local  # this rank's KV heads only
+        shape = self.model.kv_layout  # this rank's KV heads only
         block_bytes = KVCache.bytes_per_block(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
         # Every rank holds the same blocks: the one with least room decides (profiles differ a little).
         num_blocks = min_over_ranks(self.tp, max(1, self._kv_cache_bytes() // block_bytes), self.device)
@@ -253,6 +265,41 @@ class ModelRunner:
         if prefault:
             logger.info("KV cache pages written at start-up in %.1f s", time.perf_counter() - t0)
         return cache
+
+    def _record_routing(self, name: str) -> None:
+        sink = self.model.routing
+        if sink is None:
+            raise ConfigError(f"enable_return_routed_experts: {name} is a dense model, it routes to no experts")
+        if self.tp.rank:
+            return  # rank 0 reports them; the others route the same tokens the same way
+        sched = self.config.scheduler
+        # Every step's tokens: the budget, a decode batch, a piecewise bucket past the budget.
+        rows = max(sched.max_num_batched_tokens, sched.max_num_seqs, next(
+            (b for b in PIECEWISE_BUCKETS if b >= sched.max_num_batched_tokens), PIECEWISE_BUCKETS[-1]))  # fmt: skip
+        sink.allocate(rows, self.device, id_dtype(sink.layout.num_experts))
+        self.routed = RoutedExpertsStore(self.kv_cache.num_blocks, self.block_size, sink.layout)
+
+    def routed_experts_refusal(self, params: SamplingParams, prompt_len: int) -> str | None:
+        """Why a request's ``return_routed_experts`` cannot be honoured here, or None."""
+        return routed_experts_refusal(params, prompt_len, self.routed, self.model.routing is None)
+
+    def attach_routed_experts(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
+        """Put the routed experts on the outputs that finish requests which asked for them
+        (called right after the step's outputs are made, before a block they held is reused)."""
+        if self.routed is None:
+            return
+        finished = {out.request_id: out for out in outputs if out.finish_reason is not None}
+        for item in sched.scheduled:
+            out = finished.get(item.request.request_id)
+            if out is not None and item.request.sampling_params.return_routed_experts:
+                out.routed_experts = self.routed.gather(item.request, item.block_ids)
+
+    def _pending_routing(self, sched: SchedulerOutput, plan: StepPlan) -> PendingRouting | None:
+        if self.routed is None:
+            return None
+        items = [RoutedRows(item.request, item.start, item.num_new_tokens, offset, item.block_ids)
+                 for item, offset in zip(sched.scheduled, plan.starts)]  # fmt: skip
+        return PendingRouting(self.model.routing.buffer[: plan.starts[-1]], items, self.routed)
 
     def sleepable_memory(self) -> SleepableMemory | ArenaMemory:
         # Built after the start-up capture, so the backup's background pinning never meets it.
@@ -275,7 +322,7 @@ class ModelRunner:
     def _profile_activation_bytes(self) -> int:
         """Peak memory of one full-budget prefill, run against a throwaway one-block cache."""
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
-        shape = self.model.local
+        shape = self.model.kv_layout
         scratch = KVCache.allocate(
             -(-n // self.block_size), shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim,
             self.dtype, self.device,
@@ -396,6 +443,7 @@ class ModelRunner:
             transfers.mark(mark)
         inputs = self._device_inputs(plan, prev.samples.tokens if plan.num_unseen else None, sampled)
         hidden = self._forward(inputs)
+        routing = self._pending_routing(sched, plan)
         if transfers:
             # Stores first: they read blocks the previous forward filled, on their own stream.
             self.connector.run_stores(transfers, self.kv_cache)
@@ -404,13 +452,13 @@ class ModelRunner:
         prompt_ids = [] if inputs.prompt is None else inputs.prompt.request_ids
         if not inputs.sampled:
             if prompt is None:
-                return LaunchedStep([], None)
+                return LaunchedStep([], None, routing=routing)
             no_tokens = torch.empty(0, dtype=torch.long, device=self.device)
-            return LaunchedStep([], PendingSamples(no_tokens, None, [], prompt), prompt_ids)
+            return LaunchedStep([], PendingSamples(no_tokens, None, [], prompt), prompt_ids, routing)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         rows = [self._sampling_row(item.request) for item in inputs.sampled]
         samples = self.sampler.sample(logits, rows, prompt)
-        return LaunchedStep([item.request.request_id for item in inputs.sampled], samples, prompt_ids)
+        return LaunchedStep([item.request.request_id for item in inputs.sampled], samples, prompt_ids, routing)
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> None:
@@ -446,12 +494,14 @@ class ModelRunner:
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, meta)
             if hidden is not None:
                 return hidden
-        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta, keep=self._kept_rows(inputs))
+        # While routing is recorded the last layer routes every row: nothing is left out.
+        keep = None if self.routed is not None else self._kept_rows(inputs)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_cache, meta, keep=keep)
 
     @staticmethod
     def _kept_rows(inputs: StepInputs) -> torch.Tensor | None:
         """The rows whose hidden states the step reads (sampled and scored), where they are few
-        enough of its rows for the last layer's tail to run on them alone (``CausalLM.forward``)."""
+        enough of its rows for the last layer's tail to run on them alone (``CausalModel.forward``)."""
         rows = inputs.logits_rows
         if inputs.prompt is not None:
             rows = torch.cat([rows, inputs.prompt.rows])

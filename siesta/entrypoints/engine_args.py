@@ -46,6 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(or VLLM_BATCH_INVARIANT=1)")
     p.add_argument("--enable-deterministic-inference", dest="deterministic", action="store_true",
                    help="SGLang's name for --deterministic")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE models: record each token's top-k experts per layer, for requests that ask for "
+                        "them (SGLang's return_routed_experts, for RL's routing replay)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU: torch's threads per rank (default: the cores this process may use, less one "
                         "for the API server under serve)")
@@ -56,7 +59,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["model", "tokenizer", "dtype", "max_model_len", "block_size", "kv_cache_bytes", "gpu_memory_utilization",
             "enable_prefix_caching", "prefault_kv_cache", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
             "async_scheduling", "max_waiting_requests", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend",
-            "tensor_parallel_size", "cpu_threads", "head_dtype", "deterministic"]  # fmt: skip
+            "tensor_parallel_size", "cpu_threads", "head_dtype", "deterministic",
+            "enable_return_routed_experts"]  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 

@@ -48,6 +48,7 @@ class LLM:
         cpu_threads: int | None = None,
         head_dtype: str = "auto",
         deterministic: bool | None = None,
+        enable_return_routed_experts: bool = False,
     ) -> None:
         self.config = EngineConfig.from_flags(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
@@ -60,7 +61,7 @@ class LLM:
             device=device, enforce_eager=enforce_eager,
             attention_backend=attention_backend, enable_sleep_mode=enable_sleep_mode,
             tensor_parallel_size=tensor_parallel_size, cpu_threads=cpu_threads, head_dtype=head_dtype,
-            deterministic=deterministic,
+            deterministic=deterministic, enable_return_routed_experts=enable_return_routed_experts,
         )  # fmt: skip
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.source.load_tokenizer()

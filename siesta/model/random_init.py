@@ -26,6 +26,7 @@ from siesta.model.hf_loader import (
     load_config,
     load_tokenizer_from,
 )
+from siesta.model.registry import family_of
 
 # Part of the fingerprint: bump it whenever the values generated for a seed change.
 GENERATOR_VERSION = 1
@@ -113,6 +114,14 @@ RANDOM_SHAPES: dict[str, RandomShape] = {
         "rms_norm_eps": 1e-6, "rope_parameters": _rope(1000000.0), "tie_word_embeddings": True,
         "bos_token_id": 151643, "eos_token_id": [151645, 151643],
     }),
+    "qwen3-30b-a3b": RandomShape("qwen3_moe", {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+        "rope_parameters": _rope(1000000.0), "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": [151645, 151643],
+    }),
     "smollm2-135m": RandomShape("llama", {
         "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
         "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
@@ -134,6 +143,12 @@ RANDOM_SHAPES: dict[str, RandomShape] = {
         **_TINY, "num_hidden_layers": 3, "head_dim": 32, "rope_parameters": _rope(1000000.0),
         "tie_word_embeddings": True,
     }),
+    # 8 experts of 32 features, top 2 renormalised, as the 30B's 128 of 768, top 8.
+    "tiny-qwen3-moe": RandomShape("qwen3_moe", {
+        **_TINY, "num_hidden_layers": 3, "head_dim": 32, "moe_intermediate_size": 32, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "rope_parameters": _rope(1000000.0), "tie_word_embeddings": False,
+    }),
 }  # fmt: skip
 
 
@@ -141,11 +156,13 @@ def parameter_layout(config: PretrainedConfig) -> list[tuple[str, tuple[int, ...
     """(name, shape) of every tensor a checkpoint of ``config`` holds, as transformers names them.
 
     Built on the meta device: no memory, no initialisation. Tied weights appear once,
-    under the embedding's name, as save_pretrained writes them.
+    under the embedding's name, as save_pretrained writes them; a family whose transformers
+    model stacks what checkpoints keep apart (Qwen3-MoE's experts) is listed as the checkpoint.
     """
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return [(name, tuple(param.shape)) for name, param in model.named_parameters()]
+    layout = family_of(config).names_module().checkpoint_layout
+    return [item for name, param in model.named_parameters() for item in layout(name, tuple(param.shape))]
 
 
 def random_tensor(

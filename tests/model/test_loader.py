@@ -25,6 +25,7 @@ from siesta.cache_dir import CACHE_DIR_ENV
 from siesta.model import gguf_loader, random_init
 from siesta.model.llama import CausalLM
 from siesta.model.loader import RANDOM_SHAPES, default_model_path, resolve_model
+from siesta.model.registry import build_model
 
 TINY_SHAPES = [name for name in RANDOM_SHAPES if name.startswith("tiny-")]
 HAS_GGUF = importlib.util.find_spec("gguf") is not None
@@ -516,7 +517,7 @@ def test_random_names_and_shapes_match_a_transformers_checkpoint(shape: str, tmp
 @pytest.mark.parametrize("shape", TINY_SHAPES)
 def test_random_model_fills_every_decoder_weight(shape: str) -> None:
     source = resolve_model(f"random:{shape}")
-    model = CausalLM(source.hf_config, MAX_POSITIONS, TorchAttention())
+    model = build_model(source.hf_config, MAX_POSITIONS, TorchAttention())
     written = model.load_weights(source.iter_weights(torch.float32))
     assert written == model.expected_weight_names()
 

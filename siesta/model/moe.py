@@ -1,0 +1,124 @@
+"""A sparse mixture-of-experts block: a router picks each token's top-k experts, each expert is
+a SiLU-gated MLP, and the token's output is the routing-weighted sum of its experts' outputs.
+
+The experts are stacked as transformers 5 holds them: ``gate_up_proj`` ``[experts, 2 * I, H]``
+(gate rows, then up rows) and ``down_proj`` ``[experts, H, I]``. Under tensor parallelism every
+expert is cut along its intermediate features (vLLM's default): a rank holds ``I / size`` gate,
+up and down features of every expert, its partial sums are all-reduced once, after the weighted
+sum, as a row-parallel layer's are.
+
+On CUDA the experts run as one fused Triton kernel pair (``triton_moe``: tokens sorted by
+expert, a grouped GEMM with gate/up fused and SiLU applied, then down with the routing weight),
+which CUDA graphs capture; elsewhere the torch reference below, a loop over the experts a step
+touches. Both compute the same thing from the same router.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from siesta.model.interface import RoutingSink
+from siesta.model.layers import linear, silu_and_mul
+from siesta.parallel import TensorParallel
+
+
+class TopKRouter(nn.Module):
+    """``weight`` ``[experts, H]`` (checkpoints' ``mlp.gate.weight``): a softmax over the experts'
+    logits in fp32, the top k, renormalised to sum to one where ``norm_topk_prob`` says so."""
+
+    def __init__(self, num_experts: int, hidden_size: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T, k] in x's dtype, expert ids [T, k] int64)``, the largest weight first."""
+        logits = linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+class Experts(nn.Module):
+    """This rank's features of every expert."""
+
+    def __init__(self, num_experts: int, hidden_size: int, local_intermediate: int) -> None:
+        super().__init__()
+        self.num_experts, self.local_intermediate = num_experts, local_intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local_intermediate, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, local_intermediate))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert_{ids[t, k]}(x[t])``: this rank's partial sum ``[T, H]``."""
+        if x.is_cuda:
+            from siesta.model import triton_moe
+
+            return triton_moe.fused_moe(x, weights, ids, self.gate_up_proj, self.down_proj)
+        return experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj)
+
+    def weight_keys(self, pname: str) -> list[str]:
+        """What a complete checkpoint writes into ``pname`` (see ``CausalLM.expected_weight_names``):
+        every expert's gate and up rows, or its down columns, each counted apart, so per-expert
+        tensors and stacked ones make the same set."""
+        if pname.endswith("gate_up_proj"):
+            return [f"{pname}:{shard}:{e}" for e in range(self.num_experts) for shard in ("gate", "up")]
+        return [f"{pname}:{e}" for e in range(self.num_experts)]
+
+
+def experts_reference(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The experts in torch: the (token, k) pairs sorted by expert, each expert touched run once
+    over its tokens (reading its rows once, as a step's linears do), then the weighted sum of
+    each token's k outputs in k order. The host reads the experts' counts: the CPU path."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    pair_out = x.new_empty(t * k, x.shape[1])
+    start = 0
+    for expert, n in enumerate(counts):
+        if not n:
+            continue
+        pairs = order[start : start + n]
+        h = silu_and_mul(linear(x[pairs // k], gate_up[expert]))
+        pair_out[pairs] = linear(h, down[expert])
+        start += n
+    return weighted_sum(pair_out, weights)
+
+
+def weighted_sum(pair_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``[T * k, H]`` expert outputs -> ``[T, H]``, each token's k outputs weighted and summed in
+    k order (a fixed order: a row's sum does not depend on its batch)."""
+    t, k = weights.shape
+    return (pair_out.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+class SparseMoeBlock(nn.Module):
+    """What follows attention in a sparse layer: ``gate`` (the router) and ``experts``, named as
+    checkpoints name them, so ``mlp.gate.weight`` and ``mlp.experts.*`` land in place."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        local_intermediate: int,
+        layer_idx: int,
+        tp: TensorParallel,
+        sink: RoutingSink,
+    ) -> None:
+        super().__init__()
+        self.gate = TopKRouter(num_experts, hidden_size, top_k, norm_topk_prob)
+        self.experts = Experts(num_experts, hidden_size, local_intermediate)
+        self.layer_idx, self.tp = layer_idx, tp
+        self._sink = sink  # not a module: shared by every sparse layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        self._sink.write(self.layer_idx, ids)
+        return self.tp.all_reduce(self.experts(x, weights, ids))

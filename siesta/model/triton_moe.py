@@ -1,0 +1,195 @@
+"""Fused mixture-of-experts in Triton: tokens sorted by expert, then two grouped GEMMs.
+
+1. ``align``: the step's (token, k) pairs sorted by expert, each expert's run padded to a
+   multiple of the row tile ``BLOCK_M``, so every row tile belongs to one expert. Torch ops on
+   the device with shapes fixed by the token count (a bound on the padding, not the padding
+   itself): no host read, so CUDA graphs capture it per bucket.
+2. ``_gate_up_kernel``: per row tile and feature tile, the tile's tokens (gathered by pair) times
+   its expert's gate rows and up rows, both accumulated in fp32 from one read of x, then
+   ``silu(gate) * up``, stored per pair.
+3. ``_down_kernel``: those activations times the expert's down rows, times the pair's routing
+   weight, stored per pair.
+4. Each token's k outputs summed in k order (``moe.weighted_sum``'s order; the weight is in).
+
+Row tiles past the padded total return at once. The weights are read once per row tile that
+an expert's tokens fill: at decode, one tile per expert touched, the bytes the roofline counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    block_m: int  # rows (pairs) per tile: each tile is one expert's
+    block_n: int  # output features per tile
+    block_k: int  # reduction chunk
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Few pairs a tile (decode): small row tiles, wide feature tiles. Many (prefill): square-ish
+# tiles that reuse each weight tile over 64 rows. Starting points, to be tuned on the H200
+# (``bench gpu`` section ``moe``).
+DECODE_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+PREFILL_TILES = MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+# Pairs per expert (on average) from which the prefill tiles pay.
+PREFILL_PAIRS_PER_EXPERT = 32
+
+
+def tiles_for(num_pairs: int, num_experts: int) -> MoeTiles:
+    return PREFILL_TILES if num_pairs >= PREFILL_PAIRS_PER_EXPERT * num_experts else DECODE_TILES
+
+
+@dataclass
+class Alignment:
+    sorted_pairs: torch.Tensor  # [max_padded] int32: pair ids by expert, padded with num_pairs
+    tile_expert: torch.Tensor  # [max_tiles] int32: the expert of each row tile (num_experts past the end)
+    num_padded: torch.Tensor  # [1] int32: rows in use (the padded total)
+
+    @property
+    def max_tiles(self) -> int:
+        return self.tile_expert.shape[0]
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sort the (token, k) pairs of ``ids`` ``[T, k]`` by expert, each expert's run padded to a
+    multiple of ``block_m``. Pair ``p`` is token ``p // k``'s ``p % k``-th choice."""
+    flat = ids.reshape(-1).to(torch.int64)
+    n, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    experts_sorted = flat[order]
+    first = counts.cumsum(0) - counts  # each expert's first index among the sorted pairs
+    rank = torch.arange(n, device=dev) - first[experts_sorted]
+    dest = (ends - padded)[experts_sorted] + rank
+    # At most min(n, experts) experts have pairs, each padded by under a tile.
+    max_padded = n + min(n, num_experts) * (block_m - 1)
+    max_tiles = -(-max_padded // block_m)
+    sorted_pairs = torch.full((max_tiles * block_m,), n, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    tile_starts = torch.arange(max_tiles, device=dev) * block_m
+    tile_expert = torch.searchsorted(ends, tile_starts, right=True).to(torch.int32)
+    return Alignment(sorted_pairs, tile_expert, ends[-1:].to(torch.int32))
+
+
+def fused_moe(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    tiles: MoeTiles | None = None,
+) -> torch.Tensor:
+    """``sum_k weights[t, k] * down_e(silu(gate_e x_t) * up_e x_t)`` with ``e = ids[t, k]``:
+    ``x`` ``[T, H]``, ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]`` -> ``[T, H]``."""
+    t, hidden = x.shape
+    k = ids.shape[1]
+    num_experts, two_i, _ = gate_up.shape
+    inter = two_i // 2
+    n = t * k
+    tiles = tiles or tiles_for(n, num_experts)
+    a = align(ids, num_experts, tiles.block_m)
+    x = x.contiguous()
+    # fp32 weights are multiplied in fp32, not TF32 (Triton's default for fp32 dots).
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    grid = (a.max_tiles, triton.cdiv(inter, tiles.block_n))
+    _gate_up_kernel[grid](
+        x, gate_up, act, a.sorted_pairs, a.tile_expert, a.num_padded,
+        n, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0),
+        TOP_K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    pair_out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
+    flat_weights = weights.reshape(-1).contiguous()
+    grid = (a.max_tiles, triton.cdiv(hidden, tiles.block_n))
+    _down_kernel[grid](
+        act, down, pair_out, flat_weights, a.sorted_pairs, a.tile_expert, a.num_padded,
+        n, hidden, inter,
+        act.stride(0), down.stride(0), down.stride(1), down.stride(2), pair_out.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )  # fmt: skip
+    return pair_out.view(t, k, hidden).sum(dim=1)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    num_pairs, H, I,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + offs_m)
+    valid = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + tokens[:, None] * stride_xm
+    gate_cols = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    up_cols = gate_cols + I * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < H
+        a = tl.load(x_rows + kk[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        g = tl.load(gate_cols + kk[:, None] * stride_wk, mask=w_mask, other=0.0)
+        u = tl.load(up_cols + kk[:, None] * stride_wk, mask=w_mask, other=0.0)
+        acc_gate = tl.dot(a, g, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_kernel(
+    a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    num_pairs, H, I,
+    stride_am, stride_we, stride_wn, stride_wk, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ptr + offs_m)
+    valid = pairs < num_pairs
+    rows = pairs.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + rows[:, None] * stride_am
+    w_cols = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < I
+        a = tl.load(a_rows + kk[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_cols + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    routing = tl.load(weight_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * routing[:, None]
+    out = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
