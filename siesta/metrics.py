@@ -79,6 +79,8 @@ SPECS: dict[str, MetricSpec] = {
         MetricSpec("kv_offload_evictions", "counter", "KV tier entries evicted.", ("tier",)),
         MetricSpec("kv_offload_dropped_stores", "counter", "Tier stores not made, by tier and reason "
                    "(no_space, parent_missing, io_error, version_stale, cache_reset).", ("tier", "reason")),
+        MetricSpec("kv_offload_damaged_entries", "counter", "Tier files found cut off, damaged or not of siesta's "
+                   "format (wrong fields or types), deleted instead of served.", ("tier",)),
         MetricSpec("kv_offload_bytes_used", "gauge", "Bytes held by a KV tier.", ("tier",)),
         MetricSpec("kv_offload_bytes_capacity", "gauge", "Byte budget of a KV tier.", ("tier",)),
         MetricSpec("pauses", "counter", "Completed pauses (sleep included).", ("mode",)),
@@ -102,7 +104,9 @@ SPECS: dict[str, MetricSpec] = {
         MetricSpec("weight_transfer_seconds", "counter", "Seconds spent receiving weights from a trainer.", ("backend",)),
         MetricSpec("weight_transfer_failures", "counter", "Weight transfers that broke off mid-way.", ("backend",)),
         MetricSpec("weight_version", "gauge", "The current weight version, where it is a number."),
-        MetricSpec("weight_version_info", "gauge", "1 for the current weight version, 0 for earlier ones.", ("version",)),
+        MetricSpec("weight_version_info", "gauge", "1, labelled with the current weight version: the only series "
+                   "(earlier versions' are removed, or an RL run's pushes would grow /metrics without bound).",
+                   ("version",)),
         MetricSpec("engine_step_seconds", "histogram",
                    "Wall time of one engine-core step: the longest a control call waits before it is handled.",
                    buckets=_STEP_BUCKETS),
@@ -148,6 +152,9 @@ VLLM_ALIASES: dict[str, tuple[VllmAlias, ...]] = {
 }
 
 LabelKey = tuple[str, tuple[tuple[str, str], ...]]
+# Gauges of one live series: setting one removes the others (the weight version's info series,
+# whose label is the version: one per push would grow without bound).
+_SINGLE_SERIES = frozenset({"weight_version_info"})
 # Gauges of the engine's present state, zeroed when it dies.
 _ENGINE_GAUGES = ("engine_alive", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 
@@ -182,7 +189,11 @@ class EngineStats:
             self._counters[_key(name, labels)] += value
 
     def set(self, name: str, value: float, **labels: str) -> None:
-        self._gauges[_key(name, labels)] = value
+        key = _key(name, labels)
+        if name in _SINGLE_SERIES:  # only the last set of a drain counts, in any order
+            for other in [k for k in self._gauges if k[0] == name]:
+                del self._gauges[other]
+        self._gauges[key] = value
 
     def observe(self, name: str, value: float, **labels: str) -> None:
         self._observations.append((_key(name, labels), value))
@@ -276,11 +287,18 @@ class MetricsRegistry:
             for child in self._children(name, labels):
                 child.inc(value)
         for name, labels, value in snap.gauges:
+            if name in _SINGLE_SERIES:
+                self._clear(name)
             for child in self._children(name, labels):
                 child.set(value)
         for name, labels, value in snap.observations:
             for child in self._children(name, labels):
                 child.observe(value)
+
+    def _clear(self, name: str) -> None:
+        """Drop every series of ``name`` (under siesta's and vLLM's names)."""
+        for metric in (self._metrics[name], *self._vllm[name]):
+            metric.clear()
 
     def observe(self, name: str, value: float, **labels: str) -> None:
         for child in self._children(name, tuple(labels.items())):

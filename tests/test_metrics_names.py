@@ -264,3 +264,18 @@ def test_every_series_the_dashboard_queries_is_served_with_tiers(tiered):
     text = llm.metrics.exposition().decode()
     assert 'siesta_kv_offload_dropped_stores_total{reason="cache_reset",tier="host"}' in text
     assert "_created" not in text
+
+
+def test_the_weight_version_info_keeps_only_the_live_series():
+    # 2,000 renames once gave 2,001 series: /metrics grew with every push of an RL run.
+    registry = MetricsRegistry()
+    stats = EngineStats()
+    for i in range(50):
+        stats.set("weight_version_info", 1.0, version=str(i))
+        if i % 7 == 0:
+            registry.apply(stats.drain())
+    for name in ("3", "4", "3"):  # back to an earlier name, within one drain
+        stats.set("weight_version_info", 1.0, version=name)
+    registry.apply(stats.drain())
+    series = {k: v for k, v in registry.as_dict().items() if k.startswith("siesta_weight_version_info")}
+    assert series == {'siesta_weight_version_info{version="3"}': 1.0}

@@ -17,12 +17,14 @@ import msgspec
 import torch
 
 from siesta.config import ConfigError, EngineConfig
+from siesta.core.deferred import Deferred
 from siesta.core.device_memory import MemoryReport
 from siesta.core.model_runner import LaunchedStep
 from siesta.core.one_call_updates import OneCallUpdates
 from siesta.core.ranks import RankedMemory, RankedUpdater, Ranks
 from siesta.core.scheduler import Scheduler, SchedulerOutput
 from siesta.core.step_trace import StepTrace
+from siesta.core.weight_versions import WeightVersions, check_version
 from siesta.distributed.processes import RankFailed, refuse_in_starting_rank
 from siesta.kv.hashing import ExtraKeys
 from siesta.kv.kv_manager import KVManager, cdiv
@@ -32,10 +34,12 @@ from siesta.request import EngineCoreOutput, Request
 from siesta.sampling import SamplingParams
 from siesta.tiers.base import ConnectorContext, KVConnector
 from siesta.tiers.factory import create_connector
+from siesta.weight_transfer.checkpoints import update_source
+from siesta.weight_transfer.joining import join_timeout
 from siesta.weight_transfer.receivers import Receiver
 from siesta.weight_transfer.state import REPAIR
 from siesta.weight_transfer.updater import UpdateFailed
-from siesta.weight_transfer.wire import WeightTransferError
+from siesta.weight_transfer.wire import WeightTransferError, parse_nccl_init
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +74,8 @@ class EngineOverloaded(RuntimeError):
 
 
 PAUSE_MODES = ("abort", "wait", "keep")
+# A second pause moves only up this order: it may end more, never restart generation.
+PAUSE_STRENGTH = {"wait": 0, "keep": 1, "abort": 2}
 SLEEP_LEVELS = (0, 1, 2)
 WAKE_TAGS = ("weights", "kv_cache")
 IDLE_WAIT_S = 0.005  # longest an idle step blocks on tier transfers before looking again
@@ -85,11 +91,6 @@ def _update_info(weights: Any) -> Any:
     return None
 
 
-def next_weight_version(current: str) -> str:
-    """The version after ``current``: integers count up, anything else gets a suffix."""
-    return str(int(current) + 1) if current.isdigit() else f"{current}+1"
-
-
 class EngineCore(OneCallUpdates):
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         refuse_in_starting_rank()  # before loading anything: a rank re-running an unguarded script
@@ -97,10 +98,9 @@ class EngineCore(OneCallUpdates):
         self.source = source or resolve_model(config.model.model, config.model.seed, config.model.tokenizer)
         self.max_model_len = self._max_model_len()
         config.validate(self.max_model_len)
-        # The name of the weights, reported with every output; cached KV is keyed by kv_version,
-        # the name the weights had when they were written, which a rename leaves alone.
-        self.weight_version = config.model.weight_version
-        self.kv_version = self.weight_version
+        # The name of the weights, reported with every output, and the key cached KV is filed
+        # under: the weights' identity, which a rename leaves alone (core/weight_versions.py).
+        self.versions = WeightVersions.at_start(config.model.weight_version)
         # Every tensor-parallel rank's runner: this process holds rank 0's.
         self.ranks = Ranks.start(config, self.source, self.max_model_len)
         self.runner = self.ranks.runner
@@ -135,6 +135,16 @@ class EngineCore(OneCallUpdates):
         self._record_weight_version()
         self._trace = StepTrace(config.step_trace) if config.step_trace else None
         self._traced: SchedulerOutput | None = None  # the last step's schedule, for the trace
+
+    @property
+    def weight_version(self) -> str:
+        """The name outputs report for the weights serving now."""
+        return self.versions.name
+
+    @property
+    def kv_version(self) -> str:
+        """The key cached KV of the weights serving now is filed under (their identity)."""
+        return self.versions.key
 
     def _make_connector(self) -> KVConnector | None:
         if self.config.kv_transfer is None:
@@ -230,6 +240,8 @@ class EngineCore(OneCallUpdates):
             )
         request = self._checked_tokens(req)
         self._validate_sampling_token_ids(req.sampling_params)
+        if reason := self.runner.routed_experts_refusal(req.sampling_params, n):
+            raise RequestRejected(reason)
         max_tokens = req.sampling_params.max_tokens
         total = self.max_model_len if max_tokens is None else min(n + max_tokens, self.max_model_len)
         # The last sampled token is never written to the cache.
@@ -279,8 +291,15 @@ class EngineCore(OneCallUpdates):
         )
         if held:  # they never reached the scheduler, which counts the rest
             self.stats.inc("request_success", len(held), finished_reason="abort")
-        self._pending.extend(self.scheduler.abort_requests(request_ids, stopped))
+        self._pending.extend(self._versioned(self.scheduler.abort_requests(request_ids, stopped)))
         self._store_finished(request_ids)
+
+    def _versioned(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Outputs that end requests outside a step (aborts, failures) say which weights serve
+        now; the front end keeps the version of a request's last token where it has one."""
+        for out in outputs:
+            out.weight_version = self.weight_version
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending) or bool(self._held)
@@ -382,6 +401,7 @@ class EngineCore(OneCallUpdates):
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             return self._fail_step(sched, e)
         outputs = self.scheduler.update(sched, samples, self.weight_version, prompt_logprobs)
+        self.runner.attach_routed_experts(sched, outputs)
         self._store_finished([out.request_id for out in outputs if out.finish_reason is not None])
         return outputs
 
@@ -394,7 +414,7 @@ class EngineCore(OneCallUpdates):
     def _fail_step(self, sched: SchedulerOutput, e: Exception) -> list[EngineCoreOutput]:
         logger.error("step failed; failing its %d requests", len(sched.scheduled), exc_info=e)
         ids = [item.request.request_id for item in sched.scheduled]
-        return self.scheduler.fail_requests(ids, f"{type(e).__name__}: {e}")
+        return self._versioned(self.scheduler.fail_requests(ids, f"{type(e).__name__}: {e}"))
 
     def _settle(self) -> None:
         """Read back the step in flight before a control call changes what it depends on."""
@@ -428,20 +448,39 @@ class EngineCore(OneCallUpdates):
         ``clear_cache`` drops the device prefix cache (preempting frozen requests, which then
         recompute or load their KV on resume); ``clear_connector_cache`` drops the KV tiers.
         Keeping the tiers is refused up front, with the engine untouched, by a connector that
-        cannot keep them.
+        cannot keep them. A pause while paused is never refused (``_pause_again``).
         """
         self._settle()
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         self.check_connector_retention(clear_connector_cache)
         if self._pause_mode is not None:
-            raise EngineStateError(f"the engine is already paused (mode {self._pause_mode!r}); resume() first")
+            self._pause_again(mode, clear_cache, clear_connector_cache)
+            return
         self._pause_mode, self._pause_done = mode, False
         self._pause_resets = (clear_cache, clear_connector_cache)
         if mode == "abort":
             self.abort_requests(list(self.scheduler.requests))
         if mode != "wait" or not self.scheduler.has_unfinished():
             self._complete_pause()
+
+    def _pause_again(self, mode: str, clear_cache: bool, clear_connector_cache: bool) -> None:
+        """A pause while paused (or asleep) is never refused: trainers send one from several
+        places, and retry loops turn a refusal into a crash. It never restarts generation: the
+        mode moves up to the stronger one (wait < keep < abort: ``abort`` ends what a ``keep``
+        froze or a ``wait`` drains) or stays, and the caches it asks to drop are dropped (SGLang's
+        ``retract`` after ``in_place`` lets the frozen requests' KV go). DESIGN.md, SGLang's routes."""
+        if PAUSE_STRENGTH[mode] > PAUSE_STRENGTH[self._pause_mode]:
+            self._pause_mode = mode
+            if mode == "abort":
+                self.abort_requests(list(self.scheduler.requests))
+        if not self._pause_done:
+            held_cache, held_connector = self._pause_resets
+            self._pause_resets = (held_cache or clear_cache, held_connector or clear_connector_cache)
+            if self._pause_mode != "wait" or not self.scheduler.has_unfinished():
+                self._complete_pause()
+        elif clear_cache or clear_connector_cache:
+            self._reset_caches(clear_cache, clear_connector_cache)
 
     def _complete_pause(self) -> None:
         clear_cache, clear_connector = self._pause_resets
@@ -582,8 +621,18 @@ class EngineCore(OneCallUpdates):
 
     def init_weight_transfer_engine(self, init_info: Any) -> None:
         """Set up the configured backend (nccl: join the trainer's group; ipc: nothing to do)."""
+        self.begin_weight_transfer_engine(init_info).wait()
+
+    def begin_weight_transfer_engine(self, init_info: Any) -> Deferred:
+        """``init_weight_transfer_engine`` as a Deferred: nccl's rendezvous runs on a thread of
+        every rank while the engine steps (weight_transfer/joining.py)."""
         self._settle()
-        self.updater.init_engine(init_info)
+        if not self.updater.local.joins_by_rendezvous:
+            self.updater.init_engine(init_info)
+            return Deferred(lambda: True, lambda: None)
+        parse_nccl_init(join_timeout(init_info, 1.0)[0])  # refused here, before any rank waits
+        self.updater.begin_init_engine(init_info)
+        return Deferred(lambda: self.updater.join_done(None), lambda: self.updater.finish_join(None))
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         """Open an update: no step runs until ``finish_weight_update``. Both checkpoint (Hugging
@@ -598,10 +647,14 @@ class EngineCore(OneCallUpdates):
 
         ``weights``: an update_info (``{"update_info": {...}}`` or the bare dict) received
         through the backend; (name, tensor) pairs or a state dict with Hugging Face names; or
-        a model path. Outside an open update, tensors and paths advance the version at once
-        (unless the caller names one; naming the current version keeps every cached entry).
+        a model path. Outside an open update, tensors and paths publish new weights at once,
+        under the version named (naming the current one keeps the name) or else the next.
+        Written weights always get a new cache key: the engine cannot tell equal weights from
+        different ones without reading them all (``core/weight_versions.py``).
         """
         self._settle()
+        if weight_version is not None:
+            weight_version = check_version(weight_version)  # refused before anything is written
         if self.memory.weights_released:
             raise EngineStateError("the weights are released: wake_up(tags=['weights']) before update_weights")
         info = _update_info(weights)
@@ -616,13 +669,12 @@ class EngineCore(OneCallUpdates):
             return self.weight_version
         implicit = not self.weights.open
         if isinstance(weights, str):
+            update_source(weights, self.runner.model.shape)  # nothing read before its shapes are known to fit
             self.updater.write_path(weights)
         else:
             self.updater.write(weights)
         if implicit:
-            version = next_weight_version(self.weight_version) if weight_version is None else str(weight_version)
-            self._set_weight_version(version)
-            self.stats.inc("weight_updates")
+            self._publish_written(weight_version)
         return self.weight_version
 
     def _receive(self, update_info: Any, receiver: Receiver | None = None) -> None:
@@ -642,20 +694,21 @@ class EngineCore(OneCallUpdates):
 
     def finish_weight_update(self, weight_version: str | None = None) -> str:
         """Close the update and publish its version (the next one unless named); evict what
-        other versions computed, on the device and in every tier. Refused, with nothing
-        changed, while the weights are not whole."""
+        other weights computed, on the device and in every tier. Refused, with nothing
+        changed, while the weights are not whole. An update that wrote nothing only renames
+        (when a version is named): the weights, and so their cached KV, are the same."""
         self._settle()
+        if weight_version is not None:
+            weight_version = check_version(weight_version)
         if not self.weights.whole:
             raise EngineStateError(f"the weight update cannot finish: {self.weights.describe()}; {REPAIR}")
+        changed = self.weights.open and bool(self.weights.written)
         if self.weights.open:
-            changed = bool(self.weights.written)
             self.updater.close_update()
-            if changed or weight_version is not None:
-                version = next_weight_version(self.weight_version) if weight_version is None else str(weight_version)
-                self._set_weight_version(version)
-                self.stats.inc("weight_updates")
+        if changed:
+            self._publish_written(weight_version)
         elif weight_version is not None:
-            self._set_weight_version(str(weight_version))
+            self._rename_weights(weight_version)
         self.kv.reset_prefix_cache()
         if self.connector is not None:
             self.connector.evict_other_versions(self.kv_version)
@@ -666,39 +719,44 @@ class EngineCore(OneCallUpdates):
         return self.ranks.size
 
     def reload_weights(self) -> None:
-        """Re-read the weights of the model source (after a level-2 sleep with no update)."""
+        """Re-read the weights of the model source (after a level-2 sleep with no update).
+
+        The engine then serves the checkpoint it started from, so it reports that checkpoint's
+        version and reaches only KV the checkpoint computed; what later weights computed is
+        evicted from every tier."""
         self._settle()
         self.ranks.run("reload_weights")
         self.weights.wrote(set(self.weights.expected))
+        self._use_kv_key(self.versions.reloaded_source)
+        self._record_weight_version()
+        self.kv.reset_prefix_cache()
+        if self.connector is not None:
+            self.connector.evict_other_versions(self.kv_version)
 
-    def _set_weight_version(self, version: str) -> None:
-        """New weights, unless the caller names the current version (vLLM's calls)."""
-        if version != self.weight_version:
-            self._new_kv_version(version)
-            self._rename_weights(version)
+    def _publish_written(self, weight_version: str | None) -> None:
+        """New weights were written: they get a new cache key, and ``weight_version`` (else
+        the next version) as their name."""
+        self._use_kv_key(lambda: self.versions.wrote(weight_version))
+        self._record_weight_version()
+        self.stats.inc("weight_updates")
 
     def _rename_weights(self, version: str) -> None:
         """The name outputs report from now on; what is cached stays keyed as it was."""
+        version = check_version(version)
         if version == self.weight_version:
             return
-        self.stats.set("weight_version_info", 0.0, version=self.weight_version)
-        self.weight_version = version
+        self.versions.rename(version)
         self._record_weight_version()
 
-    def _new_kv_version(self, version: str) -> None:
-        """Weights were written: KV from now on is theirs, keyed by ``version``, and nothing
-        cached under ``version`` before may be served."""
-        if version == self.kv_version:
-            # New weights under the key the cache already uses (a version renamed, then named
-            # again; or one-call updates that send every bucket under one version): every entry
-            # under it came from the weights just replaced.
-            self.kv.reset_prefix_cache()
-            if self.connector is not None:
-                self.connector.reset_cache()
-        else:
-            self.kv_version = version
-            if self.connector is not None:
-                self.connector.set_weight_version(version)
+    def _use_kv_key(self, change) -> None:
+        """``change()`` moves ``versions.key``; KV from now on is filed under the new key.
+        Keys name weights, so nothing under a new key came from other weights."""
+        before = self.kv_version
+        change()
+        if self.kv_version == before:
+            return
+        if self.connector is not None:
+            self.connector.set_weight_version(self.kv_version)
         # Requests re-key their blocks under the new version when next scheduled. One that keeps
         # KV the old weights computed must not publish blocks built on it until it recomputes.
         for request in self.scheduler.requests.values():
@@ -707,6 +765,8 @@ class EngineCore(OneCallUpdates):
             request.kv_mixes_versions = request.num_computed_tokens > 0
 
     def _record_weight_version(self) -> None:
+        # One series, the live version's: a series per version ever served grows /metrics
+        # without bound over an RL run's pushes (the registry drops the others).
         self.stats.set("weight_version_info", 1.0, version=self.weight_version)
         if self.weight_version.isdigit():
             self.stats.set("weight_version", float(self.weight_version))

@@ -8,15 +8,16 @@ One that is refused writes nothing and leaves the version; one that breaks off a
 some tensors leaves the weights torn, requests refused naming what is missing, until a later
 update writes them (invariant 11).
 
-A one-call update always wrote weights, so its version never keeps KV that other weights
-computed, even when it names the current version (slime sends every bucket of one update under
-one version): see ``EngineCore._new_kv_version``. ``flush_cache`` resets the device prefix
-cache; KV of the old version is unreachable already, since every key carries the version.
+A one-call update always wrote weights, so it gives them a new cache key
+(``core/weight_versions.py``) whatever version it names: even one naming the current version
+(slime sends every bucket of one update under one version) never keeps KV that other weights
+computed. ``flush_cache`` resets the device prefix cache; KV of the old weights is unreachable
+already, since every key carries the weights' key.
 
 Renaming the version (``update_weight_version``) changes the name outputs report and nothing
 else: the weights are the same, so the KV they computed stays valid, and stays reachable
-because it is keyed by ``kv_version``, the name the weights were written under. The next
-weights written get a new key, so a rename can neither serve stale KV nor strand valid KV.
+because it is keyed by ``kv_version``, the weights' key, not their name. The next weights
+written get a new key, so a rename can neither serve stale KV nor strand valid KV.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import torch
 
-from siesta.model.loader import resolve_model
+from siesta.core.deferred import Deferred
+from siesta.core.weight_versions import VersionError, check_version
+from siesta.weight_transfer.checkpoints import update_source
 from siesta.weight_transfer.pickled_tensors import SerializedTensors
 from siesta.weight_transfer.receivers import LocalReceiver
 from siesta.weight_transfer.sglang_group import DEFAULT_GROUP_NAME, REJOIN, parse_sglang_group
@@ -56,9 +59,20 @@ class OneCallUpdates:
 
     def init_weights_update_group(self: EngineCore, init_info: Any) -> str:
         """Join the trainer's group through SGLang's rendezvous; returns its name."""
+        return self.begin_weights_update_group(init_info).wait()
+
+    def begin_weights_update_group(self: EngineCore, init_info: Any) -> Deferred:
+        """Start joining on a thread of every rank (the engine steps meanwhile); the Deferred
+        answers with the group's name once the trainer met the engine, or with why not."""
         self._settle()
         parse_sglang_group(init_info)  # refused here, before any rank waits at the rendezvous
-        return self.updater.join_sglang_group(init_info)
+        name = self.updater.begin_join_group(init_info)
+
+        def finish() -> str:
+            self.updater.finish_join(name)
+            return name
+
+        return Deferred(lambda: self.updater.join_done(name), finish)
 
     def destroy_weights_update_group(self: EngineCore, group_name: str = DEFAULT_GROUP_NAME) -> None:
         self._settle()
@@ -83,7 +97,9 @@ class OneCallUpdates:
         try:
             info = distributed_update_info(names, dtypes, shapes, load_format)
             parse_update_info(info, self.config.weight_transfer)
-        except WeightTransferError as e:
+            if options.get("weight_version") is not None:
+                check_version(options["weight_version"])
+        except (WeightTransferError, VersionError) as e:
             # Without a valid declaration the trainer's broadcast cannot be taken and dropped, and
             # left unread it would be read as the next update's: close the group instead.
             self.updater.close_group(group_name)
@@ -111,21 +127,23 @@ class OneCallUpdates:
             serialized, load_format)), **options)  # fmt: skip
 
     def update_weights_from_disk(self: EngineCore, model_path: str, **options: Any) -> OneCallResult:
-        resolve_model(model_path)  # a path that is no model is refused before anything changes
-        return self._one_call_update(
-            lambda: self.updater.write_path(model_path), **options
-        )
+        # A path that is no model, or a model of other shapes, is refused before anything changes.
+        if options.get("weight_version") is not None:
+            check_version(options["weight_version"])
+        update_source(model_path, self.runner.model.shape)
+        return self._one_call_update(lambda: self.updater.write_path(model_path), **options)
 
     def update_weight_version(self: EngineCore, new_version: str, abort_all_requests: bool = True) -> str:
         """Rename the weights: outputs report ``new_version``; cached KV stays valid and reachable."""
         from siesta.core.engine_core import EngineStateError  # engine_core imports this module
 
         self._settle()
+        new_version = check_version(new_version)  # refused before anything is aborted
         if self.weights.open:
             raise EngineStateError("a weight update is open: finish_weight_update names its version")
         if abort_all_requests:
             self.abort_requests(self._unfinished_ids())
-        self._rename_weights(str(new_version))
+        self._rename_weights(new_version)
         return self.weight_version
 
     def _one_call_update(
@@ -136,9 +154,11 @@ class OneCallUpdates:
         flush_cache: bool = True,
         empty_cache: bool = False,
     ) -> OneCallResult:
-        from siesta.core.engine_core import EngineStateError, next_weight_version  # engine_core imports this module
+        from siesta.core.engine_core import EngineStateError  # engine_core imports this module
 
         self._settle()
+        if weight_version is not None:
+            weight_version = check_version(weight_version)  # refused before anything is aborted or written
         if self.memory.weights_released:
             raise EngineStateError("the weights are released: wake_up(tags=['weights']) before a weight update")
         if self.weights.open:
@@ -151,10 +171,7 @@ class OneCallUpdates:
             receive()
         finally:
             self.updater.close_update()  # the call is the whole update: written tensors stay, torn or not
-        version = next_weight_version(self.weight_version) if weight_version is None else str(weight_version)
-        self._new_kv_version(version)
-        self._rename_weights(version)
-        self.stats.inc("weight_updates")
+        self._publish_written(weight_version)
         if flush_cache:
             self.kv.reset_prefix_cache()
         if self.connector is not None:

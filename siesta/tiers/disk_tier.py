@@ -6,6 +6,17 @@ entries never mix in. A file is written to a temporary name, flushed to disk
 and renamed, so a crash leaves either no entry or a whole one; a checksum in
 its header catches anything else, and such a file is deleted, not served.
 
+A header is checked field by field, types included: a file that is not a whole entry of this
+format (cut off, damaged, written by something else) is deleted and counted (``damaged``),
+never served and never a reason to stop; the engine starts whatever the folder holds.
+
+The checksum is CRC32: it catches accidents (a torn write, a flipped bit), not tampering.
+Whoever can write the folder can make the engine serve KV of their choosing, just as whoever
+can write the checkpoint can change the model, so the folder is as trusted as the weights
+(README: only the server's user may write it). The engine creates it private (0700) and
+warns at start when it finds it writable by others. A keyed digest would not change that:
+its key would have to live where the same users cannot read it, and be kept across restarts.
+
 Each header names the entry's parent, so the chains survive a restart too. The tier
 keeps only what a lookup can reach: it evicts chain ends first (``chains``), and it
 refuses an entry whose parent it does not hold, or could only make room for by
@@ -18,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import struct
 import threading
 import zlib
@@ -34,6 +46,7 @@ MAGIC = b"SKV1"
 _HEADER_LEN = struct.Struct("<I")
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
+PRIVATE_MODE = 0o700  # only the server's user writes the tier (see the module's docstring)
 
 
 @dataclass
@@ -42,6 +55,22 @@ class DiskEntry:
     version: str
     nbytes: int  # file size, header included
     parent: BlockHash | None = None  # the entry before it in its chain; None: the chain's first
+
+
+@dataclass(frozen=True)
+class Header:
+    """A file's header, every field of the type it must have."""
+
+    key: BlockHash
+    version: str
+    parent: BlockHash | None
+    data_bytes: int
+    crc32: int
+    offset: int  # where the payload starts
+
+    @property
+    def file_bytes(self) -> int:
+        return self.offset + self.data_bytes
 
 
 @dataclass(frozen=True)
@@ -55,13 +84,15 @@ class DiskWrite:
 class DiskTier:
     def __init__(self, root: str | os.PathLike, model_fingerprint: str, capacity_bytes: int, entry_bytes: int) -> None:
         self.dir = Path(root) / model_fingerprint
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=PRIVATE_MODE, parents=True, exist_ok=True)
+        _warn_if_others_may_write(self.dir)
         self.capacity = capacity_bytes
         self.entry_bytes = entry_bytes
         self._lock = threading.Lock()
         self._index: ChainIndex[DiskEntry] = ChainIndex()
         self.bytes_used = 0
         self.evictions = 0
+        self.damaged = 0  # files found not whole or not ours, deleted
         self._scan()
 
     # -- index -------------------------------------------------------------------------
@@ -70,20 +101,24 @@ class DiskTier:
         """Rebuild the index from the files a previous engine left, oldest first."""
         for tmp in self.dir.glob(f"*{TMP_SUFFIX}"):
             tmp.unlink(missing_ok=True)  # a write that never finished
-        files = sorted(self.dir.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
-        for path in files:
+        files = sorted(_stat_all(self.dir.glob(f"*{SUFFIX}")), key=lambda ps: ps[1].st_mtime)
+        for path, st in files:
             header = _read_header(path)
-            if header is None or path.stat().st_size != header["file_bytes"]:
+            if header is None or st.st_size != header.file_bytes:
+                self._discard(path)
+                continue
+            if header.key in self._index:  # a second file of one key (copied by hand): kept once
                 path.unlink(missing_ok=True)
                 continue
-            key = bytes.fromhex(header["key"])
-            if key in self._index:  # a second file of one key (copied by hand): kept once
-                path.unlink(missing_ok=True)
-                continue
-            parent = header.get("parent")  # absent from files written before chains were kept
-            parent_key = None if parent is None else bytes.fromhex(parent)
-            self._add(key, DiskEntry(path, header["version"], header["file_bytes"], parent_key))
+            self._add(header.key, DiskEntry(path, header.version, header.file_bytes, header.parent))
+        if self.damaged:
+            logger.warning("disk tier: deleted %d files of %s that were not whole entries", self.damaged, self.dir)
         self._evict_to_fit(0, parent=None)
+
+    def _discard(self, path: Path) -> None:
+        self.damaged += 1
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
     def _add(self, key: BlockHash, entry: DiskEntry) -> None:
         self._index.add(key, entry)
@@ -160,6 +195,7 @@ class DiskTier:
         if data is None:
             logger.warning("disk tier: %s is damaged; deleted", entry.path)
             with self._lock:
+                self.damaged += 1
                 self._remove(key)
         return data
 
@@ -199,44 +235,86 @@ def _write_file(tmp: Path, final: Path, header: bytes, data: memoryview) -> None
     os.replace(tmp, final)
 
 
-def _parse(raw: bytes) -> tuple[dict, int] | None:
-    """(header, offset of the payload) or None when the bytes are not a siesta entry."""
-    prefix = len(MAGIC) + _HEADER_LEN.size
-    if len(raw) < prefix or raw[: len(MAGIC)] != MAGIC:
+def _stat_all(paths) -> list[tuple[Path, os.stat_result]]:
+    """Each path with its stat; one gone meanwhile (another engine evicted it) is skipped."""
+    out = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            out.append((path, path.stat()))
+    return out
+
+
+def _warn_if_others_may_write(directory: Path) -> None:
+    for folder in (directory, directory.parent):
+        with contextlib.suppress(OSError):
+            mode = folder.stat().st_mode
+            # A sticky folder (/tmp) lets others add files beside ours, not replace our folder.
+            if mode & (stat.S_IWGRP | stat.S_IWOTH) and not (folder != directory and mode & stat.S_ISVTX):
+                logger.warning(
+                    "disk tier: %s is writable by other users; whoever writes it decides what KV is served "
+                    "(CRC32 catches accidents, not tampering): chmod go-w it", folder,
+                )  # fmt: skip
+
+
+def _hex_key(value: object) -> BlockHash | None:
+    if not isinstance(value, str) or len(value) > _MAX_KEY_HEX:
         return None
-    (n,) = _HEADER_LEN.unpack(raw[len(MAGIC) : prefix])
     try:
-        return json.loads(raw[prefix : prefix + n]), prefix + n
+        return bytes.fromhex(value)
     except ValueError:
         return None
 
 
+def _is_int(value: object, below: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < below
+
+
+def _parse(raw: bytes) -> Header | None:
+    """The header, or None when the bytes are not a siesta entry (any field missing or of the
+    wrong type counts: a file is served only when every field is what a write puts there)."""
+    prefix = len(MAGIC) + _HEADER_LEN.size
+    if len(raw) < prefix or raw[: len(MAGIC)] != MAGIC:
+        return None
+    (n,) = _HEADER_LEN.unpack(raw[len(MAGIC) : prefix])
+    if n > _MAX_HEADER_BYTES - prefix or len(raw) < prefix + n:
+        return None
+    try:
+        meta = json.loads(raw[prefix : prefix + n])
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    key, parent = _hex_key(meta.get("key")), meta.get("parent")  # absent parent: an older file's chain start
+    parent_key = None if parent is None else _hex_key(parent)
+    version, data_bytes, crc = meta.get("version"), meta.get("data_bytes"), meta.get("crc32")
+    if key is None or (parent is not None and parent_key is None) or not isinstance(version, str):
+        return None
+    if not _is_int(data_bytes, _MAX_ENTRY_BYTES) or not _is_int(crc, 1 << 32):
+        return None
+    return Header(key, version, parent_key, data_bytes, crc, prefix + n)
+
+
 _MAX_HEADER_BYTES = 4096
+_MAX_KEY_HEX = 256
+_MAX_ENTRY_BYTES = 1 << 48
 
 
-def _read_header(path: Path) -> dict | None:
-    """The header, with the size the whole file must have as ``file_bytes``."""
+def _read_header(path: Path) -> Header | None:
     try:
         with open(path, "rb") as f:
             head = f.read(_MAX_HEADER_BYTES)
     except OSError:
         return None
-    parsed = _parse(head)
-    if parsed is None:
-        return None
-    header, offset = parsed
-    header["file_bytes"] = offset + int(header.get("data_bytes", -1))
-    return header
+    return _parse(head)
 
 
 def _verified_payload(raw: bytes, key: BlockHash) -> bytes | None:
-    parsed = _parse(raw)
-    if parsed is None:
+    header = _parse(raw[:_MAX_HEADER_BYTES])
+    if header is None:
         return None
-    header, offset = parsed
-    data = raw[offset:]
-    if header.get("key") != key.hex() or len(data) != header.get("data_bytes"):
+    data = raw[header.offset :]
+    if header.key != key or len(data) != header.data_bytes:
         return None
-    if zlib.crc32(data) != header.get("crc32"):
+    if zlib.crc32(data) != header.crc32:
         return None
     return data

@@ -167,6 +167,7 @@ class OffloadingConnector(KVConnector):
         self._landed: list[str] = []  # requests whose loads finished, for the scheduler to pick up
         self._disk_writes: list[tuple[BlockHash, Future[DiskWrite]]] = []
         self._evictions_seen = {"host": 0, "disk": self.disk.evictions if self.disk is not None else 0}
+        self._damaged_seen = 0  # the files the disk tier deleted at start count in the first report
         self._record_usage()
 
     # -- lookups -----------------------------------------------------------------------
@@ -480,6 +481,8 @@ class OffloadingConnector(KVConnector):
         if self.disk is not None:
             self.ctx.stats.set("kv_offload_bytes_used", self.disk.bytes_used, tier="disk")
             self.ctx.stats.set("kv_offload_bytes_capacity", self.disk.capacity, tier="disk")
+            self.ctx.stats.inc("kv_offload_damaged_entries", self.disk.damaged - self._damaged_seen, tier="disk")
+            self._damaged_seen = self.disk.damaged
         load_s = self.load_feeder.busy_seconds
         self.ctx.stats.inc("kv_offload_load_seconds", load_s - self._load_seconds_seen, tier="host")
         self._load_seconds_seen = load_s

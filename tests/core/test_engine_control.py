@@ -118,8 +118,6 @@ def test_misuse_is_refused_clearly(llm):
     with pytest.raises(ValueError, match="sleep level"):
         llm.sleep(level=3)
     llm.pause(mode="keep")
-    with pytest.raises(EngineStateError, match="already paused"):
-        llm.pause()
     with pytest.raises(EngineStateError, match="paused or asleep"):
         llm.generate("x", PARAMS, use_tqdm=False)
     llm.resume()
@@ -129,6 +127,43 @@ def test_misuse_is_refused_clearly(llm):
     with pytest.raises(EngineStateError, match="wake_up"):
         llm.update_weights([])
     llm.wake_up()
+
+
+def test_a_second_pause_never_fails_and_only_moves_to_a_stronger_mode(llm, reference):
+    """SGLang's pairs (in_place < retract < abort; the engine's keep < keep with its cache
+    dropped < abort): a weaker or equal pause is a no-op, a stronger one does what it adds."""
+    ids = start(llm)
+    llm.pause(mode="keep", clear_cache=False)  # SGLang's in_place
+    kept_blocks = llm.engine.kv.pool.num_free_blocks
+    llm.pause(mode="wait", clear_cache=False)  # weaker: nothing restarts, nothing ends
+    assert llm.is_paused() and not llm.step()
+    assert llm.engine.kv.pool.num_free_blocks == kept_blocks
+    preemptions = llm.get_metrics()["siesta_num_preemptions_total"]
+    llm.pause(mode="keep", clear_cache=True)  # retract: the frozen requests' KV goes
+    assert llm.get_metrics()["siesta_num_preemptions_total"] == preemptions + len(ids)
+    llm.resume()
+    done = finish(llm)
+    assert [done[i].outputs[0].token_ids for i in ids] == reference  # recomputed, same tokens
+    ids = start(llm)
+    llm.pause(mode="keep", clear_cache=False)
+    llm.pause(mode="abort")  # stronger: ends what keep froze, with its partial output
+    done = finish(llm)
+    assert all(done[i].outputs[0].finish_reason == "abort" for i in ids)
+    llm.pause(mode="keep")  # after abort: weaker, a no-op
+    assert llm.is_paused()
+    llm.resume()
+    assert not llm.is_paused()
+
+
+def test_a_pause_while_draining_for_wait_can_freeze_or_end_at_once(llm):
+    ids = start(llm, steps=1)
+    llm.engine.pause("wait")  # the engine's call: the offline LLM's would step through the drain
+    assert not llm.is_paused()
+    llm.engine.pause("abort")  # the drain ends now: every request aborted
+    assert llm.is_paused()
+    done = finish(llm)
+    assert all(done[i].outputs[0].finish_reason == "abort" for i in ids)
+    llm.resume()
 
 
 def test_reset_prefix_cache_with_running_requests(llm, reference):

@@ -78,3 +78,45 @@ def test_every_streamed_chunk_names_its_weights(dev_server):
                     chunks.append(json.loads(line[len("data: ") :]))
         assert chunks and all(c["weight_version"] == version for c in chunks), path
         assert chunks[-1]["choices"][0]["weight_versions"] == [{"weight_version": version, "start": 0, "end": 4}], path
+
+
+def test_an_aborted_answer_names_the_weights_of_its_tokens(dev_server):
+    # slime stores meta_info.weight_version per sample: an abort used to answer "0" whatever
+    # weights sampled its tokens. A rename gives the tokens a version no other test uses.
+    url = dev_server.url
+    version = "abort-check"
+    original = httpx.get(f"{url}/get_weight_version", timeout=HTTP_TIMEOUT_S).json()["weight_version"]
+    assert httpx.post(f"{url}/update_weight_version", json={"new_version": version}, timeout=HTTP_TIMEOUT_S).json()[
+        "success"]  # fmt: skip
+    long = {"temperature": 0, "max_new_tokens": 600, "max_tokens": 600, "ignore_eos": True}
+    requests = {
+        "/generate": {"input_ids": list(range(200, 240)), "sampling_params": {k: v for k, v in long.items() if k != "max_tokens"}},
+        "/inference/v1/generate": {"token_ids": list(range(200, 240)),
+                                   "sampling_params": {k: v for k, v in long.items() if k != "max_new_tokens"}},
+    }  # fmt: skip
+    try:
+        for path, body in requests.items():
+            box: dict = {}
+            generated = dev_server.metrics()["siesta_generation_tokens_total"]
+            worker = threading.Thread(target=lambda box=box, path=path, body=body: box.update(
+                r=httpx.post(url + path, json=body, timeout=120)))
+            worker.start()
+            wait_for(lambda generated=generated: dev_server.metrics()["siesta_generation_tokens_total"] > generated + 10,
+                     what="tokens")
+            assert httpx.post(f"{url}/pause", params={"mode": "abort"}, timeout=HTTP_TIMEOUT_S).status_code == 200
+            assert httpx.post(f"{url}/resume", timeout=HTTP_TIMEOUT_S).status_code == 200
+            worker.join(120)
+            answer = box["r"].json()
+            if path == "/generate":
+                meta = answer["meta_info"]
+                assert meta["finish_reason"]["type"] == "abort", meta
+                reported, spans, count = meta["weight_version"], meta["weight_versions"], len(answer["output_ids"])
+            else:
+                choice = answer["choices"][0]
+                assert choice["finish_reason"] == "abort", choice
+                reported, spans, count = answer["weight_version"], choice["weight_versions"], len(choice["token_ids"])
+            assert 0 < count < 600
+            assert reported == version, path
+            assert spans == [{"weight_version": version, "start": 0, "end": count}], path
+    finally:
+        httpx.post(f"{url}/update_weight_version", json={"new_version": original}, timeout=HTTP_TIMEOUT_S)

@@ -183,3 +183,70 @@ def test_a_directory_that_cannot_be_written_is_an_io_error(tmp_path):
     t.dir.write_bytes(b"")
     assert t.write(b"k2", "0", payload(2)) == DiskWrite(0, DropReason.IO_ERROR)
     assert t.bytes_used == used and not t.contains(b"k2")  # the budget is not leaked
+
+
+def _rewrite_header(path, edit) -> None:
+    """The file with its JSON header replaced by ``edit(header)`` (still valid JSON), payload kept."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<I", raw[4:8])
+    header = json.loads(raw[8 : 8 + n])
+    body = json.dumps(edit(header)).encode()
+    path.write_bytes(raw[:4] + struct.pack("<I", len(body)) + body + raw[8 + n :])
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h: h | {"key": "g" + h["key"][1:]},  # not hex
+        lambda h: h | {"key": 5},
+        lambda h: h | {"data_bytes": "x"},
+        lambda h: h | {"data_bytes": True},
+        lambda h: h | {"data_bytes": -1},
+        lambda h: h | {"crc32": "0"},
+        lambda h: h | {"version": ["0"]},
+        lambda h: h | {"parent": "zz"},
+        lambda h: [h],  # a list, not an object
+        lambda h: "header",
+        lambda h: None,
+        lambda h: {k: v for k, v in h.items() if k != "key"},
+    ],
+    ids=["key-not-hex", "key-int", "bytes-str", "bytes-bool", "bytes-negative", "crc-str", "version-list",
+         "parent-not-hex", "list", "string", "null", "no-key"],
+)  # fmt: skip
+def test_a_header_of_wrong_types_is_skipped_counted_and_deleted_at_start(tmp_path, edit):
+    t = DiskTier(tmp_path, "m", 10 * ENTRY, ENTRY)
+    t.write(b"k1", "0", payload(1))
+    t.write(b"k2", "0", payload(2))
+    bad = t.dir / f"{b'k1'.hex()}{SUFFIX}"
+    _rewrite_header(bad, edit)
+    fresh = DiskTier(tmp_path, "m", 10 * ENTRY, ENTRY)  # used to raise (the server exited with 3)
+    assert fresh.damaged == 1 and not bad.exists()
+    assert fresh.read(b"k1") is None and fresh.read(b"k2") == bytes(payload(2))
+
+
+def test_a_header_damaged_after_start_is_deleted_and_counted_on_read(tmp_path):
+    t = DiskTier(tmp_path, "m", 10 * ENTRY, ENTRY)
+    t.write(b"k1", "0", payload(1))
+    _rewrite_header(t.dir / f"{b'k1'.hex()}{SUFFIX}", lambda h: h | {"data_bytes": "x"})
+    assert t.read(b"k1") is None and t.damaged == 1 and not t.contains(b"k1")
+
+
+def test_garbage_and_deep_json_files_never_stop_the_tier(tmp_path):
+    t = DiskTier(tmp_path, "m", 10 * ENTRY, ENTRY)
+    (t.dir / f"{'ab' * 8}{SUFFIX}").write_bytes(b"SKV1" + (4000).to_bytes(4, "little") + b"[" * 4000)
+    (t.dir / f"{'cd' * 8}{SUFFIX}").write_bytes(b"SKV1" + (2**32 - 1).to_bytes(4, "little"))
+    (t.dir / f"{'ef' * 8}{SUFFIX}").write_bytes(b"")
+    fresh = DiskTier(tmp_path, "m", 10 * ENTRY, ENTRY)
+    assert fresh.damaged == 3 and len(fresh) == 0 and not list(fresh.dir.iterdir())
+
+
+def test_the_tier_folder_is_private_and_a_folder_others_may_write_is_warned_of(tmp_path, caplog):
+    t = DiskTier(tmp_path / "tier", "m", 10 * ENTRY, ENTRY)
+    assert t.dir.stat().st_mode & 0o077 == 0
+    t.dir.chmod(0o777)
+    with caplog.at_level("WARNING", logger="siesta.tiers.disk_tier"):
+        DiskTier(tmp_path / "tier", "m", 10 * ENTRY, ENTRY)
+    assert "writable by other users" in caplog.text
