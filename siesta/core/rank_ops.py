@@ -125,8 +125,22 @@ class RankOps:
 
     def join_sglang_group(self, init_info: Any) -> str:
         info = parse_sglang_group(init_info)
-        self.updater.join_group(info.group_name, info, SglangRendezvous())
+        self.updater.join_group(info.group_name, init_info, SglangRendezvous())
         return info.group_name
+
+    # Joins run on a thread of each rank (weight_transfer/joining.py): begun on every rank,
+    # polled on rank 0, finished on every rank once rank 0's has ended.
+
+    def begin_join_group(self, init_info: Any) -> str:
+        info = parse_sglang_group(init_info)
+        self.updater.begin_join(info.group_name, init_info, SglangRendezvous())
+        return info.group_name
+
+    def begin_init_engine(self, init_info: Any) -> None:
+        self.updater.begin_join(None, init_info, self.updater.receiver.rendezvous)
+
+    def finish_join(self, name: str | None) -> None:
+        self.updater.finish_join(name)
 
     def leave_group(self, name: str) -> bool:
         return self.updater.leave_group(name)

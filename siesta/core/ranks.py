@@ -277,6 +277,28 @@ class RankedUpdater:
         returns the group's name."""
         return self.ranks.run("join_sglang_group", init_info)
 
+    def begin_join_group(self, init_info: Any) -> str:
+        """Every rank starts joining SGLang's group on a thread; returns the group's name."""
+        return self.ranks.run("begin_join_group", init_info)
+
+    def begin_init_engine(self, init_info: Any) -> None:
+        """Every rank starts joining the configured (nccl) backend's group on a thread."""
+        self.ranks.run("begin_init_engine", init_info)
+
+    def join_done(self, name: str | None) -> bool:
+        """Whether rank 0's join ended (the others meet the same trainer at the same store)."""
+        return self.local.join_done(name)
+
+    def finish_join(self, name: str | None) -> None:
+        """Install every rank's new receiver, or raise the join's error. A join that failed on
+        some ranks only leaves none of them in the group."""
+        try:
+            self.ranks.run("finish_join", name)
+        except RankCallFailed:
+            if name is not None:
+                self.ranks.run("leave_group", name)
+            raise
+
     def leave_group(self, name: str) -> bool:
         return self.ranks.run("leave_group", name)
 

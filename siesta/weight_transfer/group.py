@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from siesta.brief import brief
+
 STORE_PREFIX = "siesta-weight-transfer"
 NCCL, GLOO = "nccl", "gloo"
 SOURCE_RANK = 0  # the trainer
@@ -101,7 +103,7 @@ def make_process_group(
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     if backend == GLOO:
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    raise ValueError(f"a weight-transfer group runs on {NCCL} or {GLOO}, not {backend!r}")
+    raise ValueError(f"a weight-transfer group runs on {NCCL} or {GLOO}, not {brief(backend)}")
 
 
 def open_group(

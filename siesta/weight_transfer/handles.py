@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+from siesta.brief import brief
 from siesta.weight_transfer.wire import WIRE_DTYPES, WeightTransferError
 
 SHM_DIR = "/dev/shm"
@@ -157,11 +158,11 @@ class HandleOpener:
     def _open_shm(self, handle: dict[str, Any]) -> torch.Tensor:
         path, offset, nbytes = handle.get(SHM_KEY), handle.get("offset", 0), handle.get("nbytes")
         if not isinstance(path, str) or os.path.dirname(os.path.realpath(path)) != SHM_DIR:
-            raise WeightTransferError(f"a shared-memory handle names a file directly under {SHM_DIR}, got {path!r}")
+            raise WeightTransferError(f"a shared-memory handle names a file directly under {SHM_DIR}, got {brief(path)}")
         for key, value in (("offset", offset), ("nbytes", nbytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise WeightTransferError(
-                    f"a shared-memory handle's {key!r} must be a non-negative integer, got {value!r}"
+                    f"a shared-memory handle's {brief(key)} must be a non-negative integer, got {brief(value)}"
                 )
         try:
             st = os.stat(path)

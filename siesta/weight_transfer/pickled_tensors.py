@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import io
 import math
+import mmap
 import os
 import pickle
 import re
@@ -39,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch.multiprocessing import reductions
 
+from siesta.brief import MAX_QUOTE_CHARS, bounded, brief
 from siesta.weight_transfer.handles import CUDA_DEVICE_ARG, CUDA_REBUILD_ARGS, SHM_DIR, HandleOpener, decode_base64
 from siesta.weight_transfer.receivers import typed_view
 from siesta.weight_transfer.wire import TensorMeta, WeightTransferError
@@ -53,6 +54,9 @@ BUCKET_KEYS = {"flattened_tensor", "metadata"}
 SHM_MANAGER_DIR = "torch-shm-dir-"
 SHM_MANAGER_SOCKET = "manager.sock"
 SHM_NAME = re.compile(r"/torch_\d+_\d+_\d+")
+# torch's refcounted shared mapping keeps its count ahead of the data, one alignment unit
+# (TH_ALLOC_ALIGNMENT); the engine maps the file privately and leaves the count alone.
+SHM_HEADER_BYTES = 64
 SGLANG_PACKAGE = "sglang"
 # The names torch's dtypes pickle as (``str(dtype)`` less "torch."); the update itself takes fewer.
 DTYPE_NAMES = (
@@ -113,7 +117,7 @@ class LocalSerializedTensor(_Record):
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise WeightTransferError(f"{what} must be a sequence of integers, got {value!r}")
+        raise WeightTransferError(f"{what} must be a sequence of integers, got {brief(value)}")
     return tuple(value)
 
 
@@ -130,23 +134,47 @@ def _check_extent(size: tuple[int, ...], stride: tuple[int, ...], offset: int, s
         )
 
 
-def _shm_path(handle: Any, size: int) -> None:
+def _map_shared_file(path: str, size: int) -> torch.UntypedStorage:
+    """The trainer's shared file, mapped copy-on-write by its name, without torch's manager.
+
+    torch's own ``rebuild_storage_filename`` connects to the trainer's ``torch_shm_manager`` and
+    keeps that connection for the life of this process (libshm caches it), so the manager, and
+    the trainer's stdout it holds, outlived the trainer until the engine exited. The file is
+    opened read-only and never created: one gone meanwhile is an error, not a new empty file.
+    The mapping goes with the last tensor over it; the engine copies out before it answers."""
+    if size == 0:
+        return torch.UntypedStorage()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise WeightTransferError(f"cannot open the shared tensor {path}: {e.strerror}") from None
+    try:
+        if os.fstat(fd).st_size < SHM_HEADER_BYTES + size:
+            raise WeightTransferError(f"{path} is shorter than the tensor's storage ({size} bytes)")
+        mapped = mmap.mmap(fd, SHM_HEADER_BYTES + size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=torch.uint8, offset=SHM_HEADER_BYTES, count=size).untyped_storage()
+
+
+def _shm_path(handle: Any, size: int) -> str:
     if not isinstance(handle, bytes) or not SHM_NAME.fullmatch(handle.decode("ascii", "replace")):
-        raise WeightTransferError(f"a shared CPU tensor names {handle!r}, not a file torch shares under {SHM_DIR}")
+        raise WeightTransferError(f"a shared CPU tensor names {brief(handle)}, not a file torch shares under {SHM_DIR}")
     path = SHM_DIR + handle.decode()
     try:
         st = os.stat(path)
     except OSError as e:
         raise WeightTransferError(f"cannot open the shared tensor {path}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode) or st.st_size < size:
+    if not stat.S_ISREG(st.st_mode) or st.st_size < SHM_HEADER_BYTES + size:
         raise WeightTransferError(f"{path} holds {st.st_size} bytes, the tensor's storage {size}")
+    return path
 
 
 def _shm_manager(manager: Any) -> None:
     path = manager.decode("utf-8", "replace") if isinstance(manager, bytes) else ""
     parent = os.path.basename(os.path.dirname(path))
     if os.path.basename(path) != SHM_MANAGER_SOCKET or not parent.startswith(SHM_MANAGER_DIR):
-        raise WeightTransferError(f"a shared CPU tensor names {manager!r}, not torch's shared-memory manager")
+        raise WeightTransferError(f"a shared CPU tensor names {brief(manager)}, not torch's shared-memory manager")
     try:
         is_socket = stat.S_ISSOCK(os.stat(path).st_mode)
     except OSError:
@@ -173,9 +201,9 @@ class _Rebuilders:
     def storage_from_file(self, cls: Any, manager: Any, handle: Any, size: Any, dtype: Any = None) -> Any:
         if cls is not UNTYPED_STORAGE or dtype is not None or isinstance(size, bool) or not isinstance(size, int):
             raise WeightTransferError("a shared CPU storage must be an untyped storage of a whole number of bytes")
-        _shm_path(handle, size)
+        path = _shm_path(handle, size)
         _shm_manager(manager)
-        return reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
+        return _map_shared_file(path, size)
 
     def empty_storage(self, cls: Any) -> Any:
         if cls is not UNTYPED_STORAGE:
@@ -195,7 +223,7 @@ class _Rebuilders:
         offset, size, stride, _ = metadata
         size, stride = _ints(size, "a shared tensor's size"), _ints(stride, "a shared tensor's stride")
         if isinstance(offset, bool) or not isinstance(offset, int):
-            raise WeightTransferError(f"a shared tensor's offset must be an integer, got {offset!r}")
+            raise WeightTransferError(f"a shared tensor's offset must be an integer, got {brief(offset)}")
         _check_extent(size, stride, offset, storage.storage.nbytes() // storage.dtype.itemsize)
         # What torch's rebuild_tensor does, on the untyped storage (its TypedStorage is deprecated).
         return torch.empty(0, dtype=storage.dtype).set_(storage.storage, offset, size, stride)
@@ -213,7 +241,7 @@ class _Rebuilders:
             raise WeightTransferError("a CUDA tensor handle names a tensor and a storage class")
         dtype = args[_CUDA_DTYPE]
         if not isinstance(dtype, torch.dtype):
-            raise WeightTransferError(f"a CUDA tensor handle's dtype must be a torch dtype, got {dtype!r}")
+            raise WeightTransferError(f"a CUDA tensor handle's dtype must be a torch dtype, got {brief(dtype)}")
         size, stride = _ints(args[_CUDA_SIZE], "a CUDA tensor's size"), _ints(args[_CUDA_STRIDE], "its stride")
         storage_bytes, offset = args[_CUDA_STORAGE_BYTES], args[_CUDA_OFFSET]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (storage_bytes, offset)):
@@ -223,7 +251,7 @@ class _Rebuilders:
         device = args[CUDA_DEVICE_ARG]
         if device not in (index, uuid):  # torch's index, or the UUID SGLang's patched reduction puts there
             raise WeightTransferError(
-                f"the shared CUDA tensor lives on GPU {device!r} and this engine on GPU {index} ({uuid}): the trainer "
+                f"the shared CUDA tensor lives on GPU {brief(device)} and this engine on GPU {index} ({uuid}): the trainer "
                 "must share from the engine's GPU, naming it by UUID (SGLang's monkey_patch_torch_reductions)"
             )
         args[_CUDA_TENSOR_CLS] = torch.Tensor
@@ -283,7 +311,7 @@ class SerializedTensors:
     def decode(self, payload: Any, load_format: str | None, rank: int = 0) -> list[tuple[str, torch.Tensor]]:
         if load_format not in LOAD_FORMATS:
             raise WeightTransferError(
-                f"load_format {load_format!r} is not one siesta reads; it takes None, 'direct' or 'flattened_bucket'"
+                f"load_format {brief(load_format)} is not one siesta reads; it takes None, 'direct' or 'flattened_bucket'"
             )
         obj = self._load(payload, f"{FIELD}[{rank}]")
         if load_format == FLATTENED_BUCKET:
@@ -297,7 +325,7 @@ class SerializedTensors:
         except WeightTransferError as e:
             raise WeightTransferError(f"{field}: {e}") from None
         except Exception as e:  # noqa: BLE001 - a malformed pickle is the sender's error
-            raise WeightTransferError(f"{field} does not decode: {type(e).__name__}: {e}") from None
+            raise WeightTransferError(f"{field} does not decode: {type(e).__name__}: {bounded(str(e), MAX_QUOTE_CHARS)}") from None
 
     def _per_rank(self, value: Any, rank: int) -> torch.Tensor:
         if isinstance(value, LocalSerializedTensor):  # one more pickle per rank inside: this rank's
@@ -345,13 +373,13 @@ def _unflatten(obj: Any) -> list[tuple[str, torch.Tensor]]:
 
 def _bucket_entry(flat: torch.Tensor, entry: FlattenedTensorMetadata) -> torch.Tensor:
     name, dtype = entry.name, entry.dtype
-    shape = _ints(entry.shape, f"{name!r}'s shape")
+    shape = _ints(entry.shape, f"{brief(name)}'s shape")
     start, end = entry.start_idx, entry.end_idx
     if not isinstance(name, str) or not isinstance(dtype, torch.dtype):
-        raise WeightTransferError(f"a flattened bucket's entry needs a name and a torch dtype, got {name!r}, {dtype!r}")
+        raise WeightTransferError(f"a flattened bucket's entry needs a name and a torch dtype, got {brief(name)}, {brief(dtype)}")
     bounds_are_ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end))
     if not bounds_are_ints or not 0 <= start <= end <= len(flat):
-        raise WeightTransferError(f"{name}: [{start!r}, {end!r}) is not inside the bucket's {len(flat)} elements")
+        raise WeightTransferError(f"{name}: [{brief(start)}, {brief(end)}) is not inside the bucket's {len(flat)} elements")
     raw = flat[start:end]
     meta = TensorMeta(name, dtype, shape)
     if raw.dtype == dtype and raw.numel() == math.prod(shape):

@@ -50,7 +50,13 @@ class SiestaRendezvous:
             raise WeightTransferError(
                 f"rank_offset {info.rank_offset} puts this engine at rank {rank}, outside world_size {info.world_size}"
             )
-        return open_group(info.master_address, info.master_port, rank, info.world_size, device, timeout_s)
+        try:
+            return open_group(info.master_address, info.master_port, rank, info.world_size, device, timeout_s)
+        except RuntimeError as e:  # no store there, or the trainer did not join in time: the caller's to fix
+            raise WeightTransferError(
+                f"could not join the weight-transfer group at {info.master_address}:{info.master_port} as rank "
+                f"{rank} of {info.world_size} within {timeout_s:.0f}s: {e}"
+            ) from None
 
 
 class Receiver:
@@ -123,9 +129,13 @@ class NcclReceiver(Receiver):
     def not_ready(self) -> str:
         return f"no weight-transfer group: call {self.rendezvous.rejoin} first"
 
-    def init(self, init_info: Any) -> None:
+    def init(self, init_info: Any, join_timeout_s: float | None = None) -> None:
+        """Join the group; the rendezvous is bounded by ``join_timeout_s`` (else the transfer
+        timeout), every broadcast after it by the transfer timeout."""
         self.close()  # a trainer that restarts opens a new group
-        self.group = self.rendezvous.join(init_info, self.local_rank, self.device, self.config.timeout_s)
+        timeout = self.config.timeout_s if join_timeout_s is None else join_timeout_s
+        self.group = self.rendezvous.join(init_info, self.local_rank, self.device, timeout)
+        self.group.timeout_s = self.config.timeout_s
         logger.info("joined a weight-transfer group (%s) as rank %d of %d",
                     self.rendezvous.rejoin, self.group.rank, self.group.world_size)  # fmt: skip
 

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from siesta.brief import brief
 from siesta.weight_transfer.group import GLOO, NCCL, TransferGroup, connect_store, make_process_group
-from siesta.weight_transfer.wire import MAX_PORT, WeightTransferError
+from siesta.weight_transfer.wire import MAX_PORT, MAX_WORLD_SIZE, WeightTransferError
 
 DEFAULT_GROUP_NAME = "weight_update_group"  # SGLang's default
 DEFAULT_BACKEND = NCCL
@@ -38,7 +39,8 @@ DEFAULT_BACKEND = NCCL
 BACKEND_DEVICE = {NCCL: "cuda", GLOO: "cpu"}
 TRAINER_RANK = 0
 REJOIN = "init_weights_update_group"
-_INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+_INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend",
+              "timeout_s"}  # timeout_s: siesta's, the join's bound (joining.py)
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def _int(d: dict[str, Any], key: str, minimum: int, maximum: int | None = None) 
     value = d.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise WeightTransferError(f"{key!r} must be an integer {bound}, got {value!r}")
+        raise WeightTransferError(f"{brief(key)} must be an integer {bound}, got {brief(value)}")
     return value
 
 
@@ -69,18 +71,18 @@ def parse_sglang_group(init_info: Any) -> SglangGroupInfo:
         raise WeightTransferError(f"init_weights_update_group does not take {unknown}")
     address = init_info.get("master_address")
     if not isinstance(address, str) or not address:
-        raise WeightTransferError(f"'master_address' must be a host name or address, got {address!r}")
+        raise WeightTransferError(f"'master_address' must be a host name or address, got {brief(address)}")
     name = init_info.get("group_name", DEFAULT_GROUP_NAME)
     if not isinstance(name, str) or not name:
-        raise WeightTransferError(f"'group_name' must be a non-empty string, got {name!r}")
+        raise WeightTransferError(f"'group_name' must be a non-empty string, got {brief(name)}")
     backend = init_info.get("backend", DEFAULT_BACKEND)
     if backend not in BACKEND_DEVICE:
-        raise WeightTransferError(f"'backend' must be one of {sorted(BACKEND_DEVICE)}, got {backend!r}")
+        raise WeightTransferError(f"'backend' must be one of {sorted(BACKEND_DEVICE)}, got {brief(backend)}")
     return SglangGroupInfo(
         master_address=address,
         master_port=_int(init_info, "master_port", 1, MAX_PORT),
         rank_offset=_int(init_info, "rank_offset", TRAINER_RANK + 1),
-        world_size=_int(init_info, "world_size", 2),
+        world_size=_int(init_info, "world_size", 2, MAX_WORLD_SIZE),
         group_name=name,
         backend=backend,
     )
@@ -110,7 +112,7 @@ def open_sglang_group(info: SglangGroupInfo, local_rank: int, device: torch.devi
                                    info.backend, timeout_s)  # fmt: skip
     except RuntimeError as e:  # no store there, or (gloo's mesh) no trainer joined under this name in time
         raise WeightTransferError(
-            f"could not join weight update group {info.group_name!r} at {info.master_address}:{info.master_port} "
+            f"could not join weight update group {brief(info.group_name)} at {info.master_address}:{info.master_port} "
             f"as rank {rank} of {info.world_size} within {timeout_s:.0f}s: {e}"
         ) from None
     return TransferGroup(group, store, rank, info.world_size, device, timeout_s)

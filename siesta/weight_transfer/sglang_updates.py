@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from siesta.brief import brief
 from siesta.weight_transfer.wire import WIRE_DTYPES, WeightTransferError, dtype_name
 
 FLATTENED_BUCKET = "flattened_bucket"
@@ -27,12 +28,12 @@ def distributed_update_info(names: Any, dtypes: Any, shapes: Any, load_format: s
     """The update_info of a ``/update_weights_from_distributed`` body (checked by ``parse_update_info``)."""
     if load_format not in DISTRIBUTED_LOAD_FORMATS:
         raise WeightTransferError(
-            f"load_format {load_format!r} is not one siesta reads from a group: it takes None or 'flattened_bucket'"
+            f"load_format {brief(load_format)} is not one siesta reads from a group: it takes None or 'flattened_bucket'"
         )
     if not isinstance(names, list) or not names:
         raise WeightTransferError("names must list at least one tensor")
     if not isinstance(dtypes, list) or not all(isinstance(d, str) for d in dtypes):
-        raise WeightTransferError(f"dtypes must be a list of dtype names, got {dtypes!r}")
+        raise WeightTransferError(f"dtypes must be a list of dtype names, got {brief(dtypes)}")
     info: dict[str, Any] = {
         "names": names,
         "dtype_names": [d.removeprefix(_DTYPE_PREFIX) for d in dtypes],

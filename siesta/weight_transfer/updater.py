@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from siesta.config import WeightTransferConfig
-from siesta.model.llama import CausalLM, WeightTarget
+from siesta.model.interface import CausalModel as CausalLM
+from siesta.model.interface import WeightTarget
+from siesta.weight_transfer.joining import PendingJoin, join_timeout
 from siesta.weight_transfer.receivers import Batch, NcclReceiver, Receiver, Rendezvous, TransferFailed, make_receiver
 from siesta.weight_transfer.state import REPAIR, WeightState
 from siesta.weight_transfer.wire import UpdateInfo, WeightTransferError, dtype_name, parse_update_info
@@ -35,6 +37,10 @@ class UpdateFailed(RuntimeError):
         self.unwritten = unwritten or set()
 
 
+def _joined(name: str | None) -> str:
+    return "the weight-transfer group" if name is None else f"weight update group {name!r}"
+
+
 class WeightUpdater:
     """Writes into the model and keeps ``state``: whether its weights are whole."""
 
@@ -49,6 +55,7 @@ class WeightUpdater:
         # Groups joined by name (SGLang's /init_weights_update_group; slime opens one per
         # pipeline stage), beside the configured backend's receiver.
         self.groups: dict[str, NcclReceiver] = {}
+        self._joins: dict[str | None, PendingJoin] = {}  # rendezvous running on their threads
         self.state = WeightState(frozenset(model.expected_weight_names()))
         self.last_call = time.monotonic()  # of the open update (start, receive, write)
 
@@ -61,14 +68,50 @@ class WeightUpdater:
         return self.receiver.ready
 
     def init_engine(self, init_info: Any) -> None:
-        self.receiver.init(init_info)
+        if isinstance(self.receiver, NcclReceiver):
+            self.begin_join(None, init_info, self.receiver.rendezvous)
+            self.finish_join(None)
+        else:
+            self.receiver.init(init_info)
+
+    @property
+    def joins_by_rendezvous(self) -> bool:
+        """Whether ``init_engine`` waits on a trainer (nccl), and so runs as a join."""
+        return isinstance(self.receiver, NcclReceiver)
 
     def join_group(self, name: str, init_info: Any, rendezvous: Rendezvous) -> None:
         """Join (again: a trainer that restarts) the group ``name`` through ``rendezvous``."""
-        self.leave_group(name)
+        self.begin_join(name, init_info, rendezvous)
+        self.finish_join(name)
+
+    def begin_join(self, name: str | None, init_info: Any, rendezvous: Rendezvous | None = None) -> None:
+        """Start joining, on a thread (``joining``): the group ``name``, or with None the
+        configured backend's. Nothing changes until ``finish_join``."""
+        if name in self._joins:
+            raise WeightTransferError(f"{_joined(name)} is being joined already: wait for that call's answer")
+        init_info, timeout_s = join_timeout(init_info, self.config.join_timeout_s)
         receiver = NcclReceiver(self.config, self.device, self.local_rank, rendezvous)
-        receiver.init(init_info)
-        self.groups[name] = receiver
+        self._joins[name] = PendingJoin(receiver, init_info, timeout_s)
+
+    def join_done(self, name: str | None) -> bool:
+        join = self._joins.get(name)
+        return join is None or join.done()
+
+    def finish_join(self, name: str | None) -> None:
+        """Install the receiver the join built (replacing the old one), or raise why it failed."""
+        join = self._joins.get(name)
+        if join is None:
+            raise WeightTransferError(f"{_joined(name)} is not being joined")
+        try:
+            receiver = join.result()
+        finally:
+            del self._joins[name]
+        if name is None:
+            self.receiver.close()
+            self.receiver = receiver
+        else:
+            self.leave_group(name)
+            self.groups[name] = receiver
 
     def leave_group(self, name: str) -> bool:
         """Close the group ``name``; returns whether there was one."""
@@ -198,3 +241,7 @@ class WeightUpdater:
         self.receiver.close()
         for name in list(self.groups):
             self.leave_group(name)
+        for join in self._joins.values():  # one still waiting on its trainer ends with the process
+            if join.done() and join.error is None:
+                join.receiver.close()
+        self._joins.clear()

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from siesta.brief import brief
 from siesta.config import WeightTransferConfig
 
 # The dtypes a weight may travel in; the engine casts each into its parameter's dtype.
@@ -31,11 +32,14 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 MAX_PORT = 65535
+# Ranks of a trainer-engine group: the trainer and every engine rank, a few thousand at most.
+# Bounded because gloo sets up every peer before it reaches any (world_size 1e9 never answered).
+MAX_WORLD_SIZE = 1 << 12
 _UPDATE_KEYS = {
     "names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes", "packed_num_buffers",
     "ipc_handles", "ipc_handles_pickled", "tensor_sizes",
 }  # fmt: skip
-_INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size"}
+_INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size", "timeout_s"}  # timeout_s: siesta's (joining)
 
 
 class WeightTransferError(ValueError):
@@ -112,9 +116,9 @@ def _require_object(what: str, value: Any) -> dict[str, Any]:
 def _int_field(d: dict[str, Any], key: str, minimum: int, default: int | None = None) -> int:
     value = d.get(key, default)
     if value is None:
-        raise WeightTransferError(f"missing {key!r}")
+        raise WeightTransferError(f"missing {brief(key)}")
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise WeightTransferError(f"{key!r} must be an integer >= {minimum}, got {value!r}")
+        raise WeightTransferError(f"{brief(key)} must be an integer >= {minimum}, got {brief(value)}")
     return value
 
 
@@ -125,11 +129,13 @@ def parse_nccl_init(init_info: Any) -> NcclInitInfo:
         raise WeightTransferError(f"init_info has fields the nccl backend does not take: {unknown}")
     address = d.get("master_address")
     if not isinstance(address, str) or not address:
-        raise WeightTransferError(f"'master_address' must be a host name or address, got {address!r}")
+        raise WeightTransferError(f"'master_address' must be a host name or address, got {brief(address)}")
     port = _int_field(d, "master_port", 1)
     if port > MAX_PORT:
         raise WeightTransferError(f"'master_port' must be at most {MAX_PORT}, got {port}")
     world_size = _int_field(d, "world_size", 2)
+    if world_size > MAX_WORLD_SIZE:
+        raise WeightTransferError(f"'world_size' must be at most {MAX_WORLD_SIZE}, got {world_size}")
     rank_offset = _int_field(d, "rank_offset", 1)
     return NcclInitInfo(address, port, rank_offset, world_size)
 
@@ -143,7 +149,7 @@ def parse_update_info(update_info: Any, defaults: WeightTransferConfig) -> Updat
     names, dtype_names, shapes = d.get("names"), d.get("dtype_names"), d.get("shapes")
     for key, value in (("names", names), ("dtype_names", dtype_names), ("shapes", shapes)):
         if not isinstance(value, list):
-            raise WeightTransferError(f"update_info needs {key!r} as a list, got {type(value).__name__}")
+            raise WeightTransferError(f"update_info needs {brief(key)} as a list, got {type(value).__name__}")
     if not len(names) == len(dtype_names) == len(shapes):
         raise WeightTransferError(
             f"names, dtype_names and shapes must have one entry per tensor: got {len(names)}, "
@@ -152,7 +158,7 @@ def parse_update_info(update_info: Any, defaults: WeightTransferConfig) -> Updat
     tensors = _LAST_TENSORS.parse(names, dtype_names, shapes)
     packed = d.get("packed", False)
     if not isinstance(packed, bool):
-        raise WeightTransferError(f"'packed' must be true or false, got {packed!r}")
+        raise WeightTransferError(f"'packed' must be true or false, got {brief(packed)}")
     sizes = d.get("tensor_sizes")
     if sizes is not None:
         sizes = _tensor_sizes(sizes, tensors)
@@ -184,7 +190,7 @@ class _TensorListMemo:
         seen: set[str] = set()
         for t in tensors:
             if t.name in seen:
-                raise WeightTransferError(f"tensor {t.name!r} appears twice in one update")
+                raise WeightTransferError(f"tensor {brief(t.name)} appears twice in one update")
             seen.add(t.name)
         # Copies: the caller's lists may change after this call.
         self._key, self._tensors = (list(names), list(dtype_names), [list(sh) for sh in shapes]), tensors
@@ -196,13 +202,13 @@ _LAST_TENSORS = _TensorListMemo()
 
 def _tensor_meta(name: Any, dtype: Any, shape: Any) -> TensorMeta:
     if not isinstance(name, str) or not name:
-        raise WeightTransferError(f"tensor names must be non-empty strings, got {name!r}")
+        raise WeightTransferError(f"tensor names must be non-empty strings, got {brief(name)}")
     if dtype not in WIRE_DTYPES:
-        raise WeightTransferError(f"{name}: dtype {dtype!r} cannot be a weight; send one of {', '.join(WIRE_DTYPES)}")
+        raise WeightTransferError(f"{name}: dtype {brief(dtype)} cannot be a weight; send one of {', '.join(WIRE_DTYPES)}")
     if not isinstance(shape, (list, tuple)) or not all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
     ):
-        raise WeightTransferError(f"{name}: shape must be a list of non-negative integers, got {shape!r}")
+        raise WeightTransferError(f"{name}: shape must be a list of non-negative integers, got {brief(shape)}")
     return TensorMeta(name, WIRE_DTYPES[dtype], tuple(shape))
 
 
@@ -214,7 +220,7 @@ def _tensor_sizes(sizes: Any, tensors: list[TensorMeta]) -> list[int]:
     for t, size in zip(tensors, sizes):
         if size != t.nbytes:
             raise WeightTransferError(
-                f"{t.name}: tensor_sizes says {size!r} bytes but shape {list(t.shape)} of "
+                f"{t.name}: tensor_sizes says {brief(size)} bytes but shape {list(t.shape)} of "
                 f"{dtype_name(t.dtype)} is {t.nbytes} bytes: the bucket's sizes do not add up"
             )
     return list(sizes)

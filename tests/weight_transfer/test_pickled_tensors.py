@@ -7,6 +7,7 @@ import base64
 import io
 import os
 import pickle
+import time
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -139,6 +140,28 @@ def test_a_bucket_entry_outside_the_bucket_is_refused(file_system, decoder):
     bucket["metadata"][0].end_idx = 64
     with pytest.raises(WeightTransferError, match=r"w: \[0, 64\) is not inside the bucket's 16 elements"):
         decoder.decode(serialize(bucket), "flattened_bucket")
+
+
+def _nested_bomb(levels: int = 7):
+    """Lists of ten references to one list, nested: a few hundred bytes of pickle (its memo keeps
+    one copy a level) whose repr is 10**levels items long."""
+    x: list = [0]
+    for _ in range(levels):
+        x = [x] * 10
+    return x
+
+
+def test_a_nested_repr_bomb_gives_a_short_error_at_once(file_system, decoder):
+    # A 706-byte pickle like this made a 322 MB error response after 22.8 s.
+    bucket = flattened_bucket([("w", torch.ones(4))])
+    bucket["metadata"][0].shape = _nested_bomb()
+    payload = serialize(bucket)
+    assert len(payload) < 4000
+    t0 = time.monotonic()
+    with pytest.raises(WeightTransferError) as e:
+        decoder.decode(payload, "flattened_bucket")
+    assert time.monotonic() - t0 < 1.0
+    assert "shape must be a sequence of integers" in str(e.value) and len(str(e.value)) < 600
 
 
 # -- CUDA: the trainer's tensors from another process (GPU only; bench/gpu.sh runs these) --------
