@@ -72,6 +72,10 @@ class ModelConfig:
     # "float32": the final norm, the output head and the logits in fp32 (vLLM's head_dtype,
     # SGLang's --enable-fp32-lm-head); "auto": in the weights' dtype, logits cast to fp32 after.
     head_dtype: str = "auto"
+    # SGLang's --enable-return-routed-experts: a mixture-of-experts model records every token's
+    # top-k experts per layer (what requests with return_routed_experts get back). Off, nothing
+    # is recorded and such requests are refused.
+    enable_return_routed_experts: bool = False
 
     @property
     def head_fp32(self) -> bool:
@@ -282,6 +286,9 @@ class WeightTransferConfig:
     # A trainer silent this long mid-transfer (or at the rendezvous) has failed: the update
     # is refused, not waited on forever.
     timeout_s: float = 120.0
+    # Joining a trainer's group (nccl's init, SGLang's /init_weights_update_group) runs beside the
+    # step loop and fails after this long without the trainer; an init info's "timeout_s" overrides it.
+    join_timeout_s: float = 30.0
     # ipc: keep the trainer's CUDA buffers of the last update mapped, so a push of the same
     # buffers opens nothing (siesta.weight_transfer.handles says what it holds on to).
     ipc_keep_mappings: bool = True
@@ -309,6 +316,8 @@ class WeightTransferConfig:
             raise ConfigError(f"packed_num_buffers must be a positive integer, got {self.packed_num_buffers!r}")
         if not self.timeout_s > 0:
             raise ConfigError(f"weight transfer timeout_s must be positive, got {self.timeout_s!r}")
+        if not self.join_timeout_s > 0:
+            raise ConfigError(f"weight transfer join_timeout_s must be positive, got {self.join_timeout_s!r}")
 
 
 def _json_object(what: str, value: dict[str, Any] | str) -> dict[str, Any]:
@@ -380,11 +389,12 @@ class EngineConfig:
         usage_context: str = "llm",
         head_dtype: str = "auto",
         deterministic: bool | None = None,
+        enable_return_routed_experts: bool = False,
     ) -> EngineConfig:
         """The flat, vLLM-style engine arguments (``LLM(...)``, CLI flags) as a config."""
         return cls(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              head_dtype=head_dtype),
+                              head_dtype=head_dtype, enable_return_routed_experts=enable_return_routed_experts),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_bytes=kv_cache_bytes,

@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_args(serve)
     serve.set_defaults(func=_serve)
 
+    from siesta.fleet import cli as fleet_cli
+
+    fleet = sub.add_parser("fleet", help="N replicas behind a gateway (smg), serving its URL",
+                           description=fleet_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fleet_cli.add_arguments(fleet)
+    fleet.set_defaults(func=fleet_cli.run)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from siesta.bench import throughput

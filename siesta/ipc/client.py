@@ -33,6 +33,7 @@ from siesta.ipc.protocol import (
     AddRequests,
     CallCodec,
     CoreCall,
+    CoreState,
     DestroyWeightsUpdateGroup,
     EngineInfo,
     Fatal,
@@ -115,6 +116,7 @@ class EngineCoreClient:
         self.process = process
         self.metrics = metrics
         self.info: EngineInfo | None = None
+        self.state: CoreState | None = None  # the core's, as of its last message
         self._ipc_dir = ipc_dir
         self._ctx = zmq.asyncio.Context()
         self._sync_ctx = zmq.Context()
@@ -319,6 +321,11 @@ class EngineCoreClient:
         await self.call(Resume())
 
     async def is_paused(self) -> bool:
+        # As of the core's last message (it sends one after every call and every step that
+        # changed anything): at once, not behind the step in flight.
+        if self.state is not None:
+            self._check_alive()
+            return self.state.paused
         return bool(await self.call(IsPaused()))
 
     async def sleep(
@@ -330,6 +337,9 @@ class EngineCoreClient:
         await self.call(WakeUp(tags=tags))
 
     async def is_sleeping(self) -> bool:
+        if self.state is not None:
+            self._check_alive()
+            return self.state.sleeping
         return bool(await self.call(IsSleeping()))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
@@ -387,6 +397,10 @@ class EngineCoreClient:
         return str(await self.call(UpdateWeightVersion(new_version=new_version, abort_all_requests=abort_all_requests)))
 
     async def get_info(self) -> EngineInfo:
+        """The model as the core described it at start, with the weight version of its last message."""
+        if self.state is not None and self.info is not None:
+            self._check_alive()
+            return msgspec.structs.replace(self.info, weight_version=self.state.weight_version)
         return msgspec.convert(await self.call(GetInfo()), EngineInfo)
 
     # -- receiving -----------------------------------------------------------------------
@@ -400,6 +414,9 @@ class EngineCoreClient:
                 logger.exception("could not route a message from the engine core")
 
     def _route(self, message: Any) -> None:
+        state = getattr(message, "state", None)
+        if state is not None:
+            self.state = state  # before the reply resolves: a pause's caller then reads paused
         if isinstance(message, StepOutputs):
             self._route_outputs(message)
         elif isinstance(message, Reply):

@@ -20,6 +20,7 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -28,13 +29,15 @@ from siesta.config import EngineConfig
 from siesta.core.engine_core import EngineCore, EngineStateError
 from siesta.distributed.processes import RankFailed
 from siesta.ipc.handler import CallHandler, Engine, engine_info
-from siesta.ipc.protocol import CallCodec, CoreMessage, Fatal, MessageCodec, Ready, Reply, StepOutputs
+from siesta.ipc.protocol import CallCodec, CoreMessage, CoreState, Fatal, MessageCodec, Ready, Reply, StepOutputs
 from siesta.ipc.remote_errors import UnsupportedCallError, to_remote
 
 logger = logging.getLogger(__name__)
 
 # An idle core blocks this long on its input, then checks that the server still exists.
 IDLE_POLL_MS = 1000
+# An idle core with a join in progress looks at it this often (a join answers within this).
+PENDING_POLL_MS = 10
 # How long a closing socket keeps trying to deliver its last messages (a Fatal, say).
 SOCKET_LINGER_MS = 2000
 EXIT_FAILURE = 1
@@ -46,6 +49,8 @@ _EXPECTED_ERRORS = (ValueError, EngineStateError, NotImplementedError)
 class PendingReply:
     call_id: int
     ready: Callable[[], bool]
+    finish: Callable[[], Any] | None = None  # the reply's result, or raises its error
+    needs_steps: bool = True  # a draining pause; a join (False) ends on its own thread
 
 
 class EngineCoreProc:
@@ -73,18 +78,22 @@ class EngineCoreProc:
 
     def turn(self, idle_timeout_ms: int = IDLE_POLL_MS) -> bool:
         """One pass of the loop; returns whether any call arrived."""
-        got_input = self._receive(0 if self._busy() else idle_timeout_ms)
+        timeout = 0 if self._busy() else (PENDING_POLL_MS if self._pending else idle_timeout_ms)
+        got_input = self._receive(timeout)
         if self._replies:
             self._send_outputs(self.engine.drain_outputs())
             self._flush_replies()
         if self._busy():
             self._step()
+        else:
+            self._answer_ready()  # a join ended while nothing stepped
         self._flush_replies()
         return got_input
 
     def _busy(self) -> bool:
         # A pending wait-mode reply means a pause drains: only steps can finish its requests.
-        return self._dirty or bool(self._pending) or self.engine.has_work()
+        # A join in progress needs no step: the loop polls it, blocking a little on its input.
+        return self._dirty or any(p.needs_steps for p in self._pending) or self.engine.has_work()
 
     def _receive(self, timeout_ms: int) -> bool:
         if not self.poller.poll(timeout_ms):
@@ -123,7 +132,7 @@ class EngineCoreProc:
         if outcome.ready is None:
             self._replies.append(Reply(call_id=call.call_id, result=outcome.result))
         else:
-            self._pending.append(PendingReply(call.call_id, outcome.ready))
+            self._pending.append(PendingReply(call.call_id, outcome.ready, outcome.finish, outcome.needs_steps))
 
     def _reply_error(self, call_id: int, exc: BaseException) -> None:
         self._replies.append(Reply(call_id=call_id, error=to_remote(exc)))
@@ -131,26 +140,46 @@ class EngineCoreProc:
     def _step(self) -> None:
         self._dirty = False
         self._send_outputs(self.engine.step())
+        self._answer_ready()
+
+    def _answer_ready(self) -> None:
         still = []
         for pending in self._pending:
-            if pending.ready():
+            if not pending.ready():
+                still.append(pending)
+            elif pending.finish is None:
                 self._replies.append(Reply(call_id=pending.call_id))
             else:
-                still.append(pending)
+                self._finish(pending)
         self._pending = still
+
+    def _finish(self, pending: PendingReply) -> None:
+        try:
+            result = pending.finish()
+        except RankFailed:
+            raise
+        except Exception as e:  # the call's error goes back to its caller
+            if not isinstance(e, _EXPECTED_ERRORS):
+                logger.exception("a deferred call failed")
+            self._reply_error(pending.call_id, e)
+            return
+        self._dirty = True  # a join changes what the gauges and info say
+        self._replies.append(Reply(call_id=pending.call_id, result=result))
 
     def _send_outputs(self, out) -> None:
         if out.outputs or not out.stats.is_empty():
             self._send(StepOutputs(outputs=out.outputs, stats=out.stats))
 
     def _cancel_stale_pending(self) -> None:
-        # A resume or wake-up that lands while a pause still drains cancels that pause.
+        # A resume or wake-up that lands while a pause still drains cancels that pause (a join
+        # in progress is not a pause: it goes on).
         if self.engine.is_paused() or self.engine.is_sleeping():
             return
         for pending in self._pending:
-            error = EngineStateError("the pause was cancelled (resume or wake_up) before in-flight requests finished")
-            self._reply_error(pending.call_id, error)
-        self._pending = []
+            if pending.needs_steps:
+                error = EngineStateError("the pause was cancelled (resume or wake_up) before in-flight requests finished")
+                self._reply_error(pending.call_id, error)
+        self._pending = [p for p in self._pending if not p.needs_steps]
 
     def _flush_replies(self) -> None:
         for reply in self._replies:
@@ -158,6 +187,8 @@ class EngineCoreProc:
         self._replies = []
 
     def _send(self, message: CoreMessage) -> None:
+        if isinstance(message, (StepOutputs, Reply)):
+            message.state = CoreState(self.engine.is_paused(), self.engine.is_sleeping(), self.engine.weight_version)
         self.output.send(self.messages.encode(message), copy=False)
 
 

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from siesta.core.deferred import Deferred
 from siesta.ipc.protocol import (
     AbortRequests,
     AddRequest,
@@ -59,11 +60,11 @@ class Engine(Protocol):
     def is_sleeping(self) -> bool: ...
     def reset_prefix_cache(self, reset_running_requests: bool = ..., reset_connector: bool = ...) -> bool: ...
     def update_weights(self, weights: Any, weight_version: str | None = ...) -> str: ...
-    def init_weight_transfer_engine(self, init_info: Any) -> None: ...
+    def begin_weight_transfer_engine(self, init_info: Any) -> Deferred: ...
     def start_weight_update(self, is_checkpoint_format: bool = ...) -> None: ...
     def finish_weight_update(self, weight_version: str | None = ...) -> str: ...
     def get_world_size(self) -> int: ...
-    def init_weights_update_group(self, init_info: Any) -> str: ...
+    def begin_weights_update_group(self, init_info: Any) -> Deferred: ...
     def destroy_weights_update_group(self, group_name: str = ...) -> None: ...
     def update_weights_from_distributed(self, names: Any, dtypes: Any, shapes: Any, group_name: str = ...,
                                         load_format: str | None = ..., **options: Any) -> Any: ...  # fmt: skip
@@ -74,12 +75,23 @@ class Engine(Protocol):
 
 @dataclass
 class Outcome:
-    """A call's result; ``ready`` set means the reply waits until it returns True (a draining pause)."""
+    """A call's result; ``ready`` set means the reply waits until it returns True (a draining
+    pause, a join), and then is ``finish()`` when given (a join's result, or its error)."""
 
     result: Any = None
     ready: Callable[[], bool] | None = None
     # Whether a pause or sleep that waits on in-flight requests may be over (resume, wake-up).
     ends_pauses: bool = False
+    finish: Callable[[], Any] | None = None
+    # Whether only steps can make ``ready`` true (a draining pause); a join ends on its own thread.
+    needs_steps: bool = True
+
+
+def deferred(call: Deferred) -> Outcome:
+    """A call that answers later, while the engine steps: the loop polls it between steps."""
+    if call.done():
+        return Outcome(call.finish())
+    return Outcome(ready=call.done, finish=call.finish, needs_steps=False)
 
 
 class CallHandler:
@@ -105,7 +117,7 @@ class CallHandler:
             GetWorldSize: lambda _: Outcome(self.engine.get_world_size()),
             GetInfo: lambda _: Outcome(self.info()),
             Shutdown: self._shutdown,
-            InitWeightsUpdateGroup: lambda c: Outcome(self.engine.init_weights_update_group(c.init_info)),
+            InitWeightsUpdateGroup: lambda c: deferred(self.engine.begin_weights_update_group(c.init_info)),
             DestroyWeightsUpdateGroup: self._destroy_weights_update_group,
             UpdateWeightsFromDistributed: self._update_weights_from_distributed,
             UpdateWeightsFromTensor: self._update_weights_from_tensor,
@@ -162,8 +174,7 @@ class CallHandler:
         return Outcome(self.engine.update_weights(weights, call.weight_version))
 
     def _init_weight_transfer(self, call: InitWeightTransfer) -> Outcome:
-        self.engine.init_weight_transfer_engine(call.init_info)
-        return Outcome()
+        return deferred(self.engine.begin_weight_transfer_engine(call.init_info))
 
     def _start_weight_update(self, call: StartWeightUpdate) -> Outcome:
         self.engine.start_weight_update(call.is_checkpoint_format)

@@ -203,15 +203,27 @@ class Ready(CoreMessage, tag="ready", omit_defaults=True):
     info: EngineInfo
 
 
+class CoreState(msgspec.Struct, omit_defaults=True):
+    """What the core's state queries answer, as of the message that carries it. Sent with every
+    output and reply, so the server answers is_paused, is_sleeping and the weight version at
+    once instead of behind the step in flight (seconds under load on a CPU)."""
+
+    paused: bool = False
+    sleeping: bool = False
+    weight_version: str = "0"
+
+
 class StepOutputs(CoreMessage, tag="outputs", omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     stats: StatsSnapshot = msgspec.field(default_factory=StatsSnapshot)
+    state: CoreState | None = None
 
 
 class Reply(CoreMessage, tag="reply", omit_defaults=True):
     call_id: int
     result: Any = None
     error: RemoteError | None = None
+    state: CoreState | None = None
 
 
 class Fatal(CoreMessage, tag="fatal", omit_defaults=True):

@@ -7,6 +7,7 @@ with a 400 and EngineStateError with a 409. Anything else arrives as ``EngineCor
 
 from __future__ import annotations
 
+from siesta.brief import bounded
 from siesta.config import ConfigError
 from siesta.core.engine_core import ConnectorRetentionError, EngineOverloaded, EngineStateError, RequestRejected
 from siesta.ipc.protocol import RemoteError
@@ -42,10 +43,11 @@ _BY_NAME = {cls.__name__: cls for cls in KNOWN_ERRORS}
 
 
 def to_remote(exc: BaseException) -> RemoteError:
+    # Bounded: a message quoting a caller's input must not grow with it (siesta.brief).
     for cls in KNOWN_ERRORS:
         if isinstance(exc, cls):
-            return RemoteError(type=cls.__name__, message=str(exc))
-    return RemoteError(type=EngineCoreError.__name__, message=f"{type(exc).__name__}: {exc}")
+            return RemoteError(type=cls.__name__, message=bounded(str(exc)))
+    return RemoteError(type=EngineCoreError.__name__, message=bounded(f"{type(exc).__name__}: {exc}"))
 
 
 def from_remote(error: RemoteError) -> BaseException:

@@ -158,7 +158,7 @@ def test_bad_updates_are_refused_with_nothing_written_and_the_group_stays_in_ste
     [
         ("/update_weights_from_disk", {"model_path": "/nope", "is_async": True}, "is_async is not supported"),
         ("/update_weights_from_disk", {"model_path": "/nope", "load_format": "pt"}, "load_format 'pt'"),
-        ("/update_weights_from_disk", {"model_path": "/nope"}, "/nope does not exist"),
+        ("/update_weights_from_disk", {"model_path": "/nope"}, "'/nope' is not a model siesta can load"),
         ("/update_weights_from_distributed", {"names": ["x"]}, "dtypes: Field required"),
         ("/init_weights_update_group", {**LOCAL_GROUP, "master_port": 1}, "'nccl' needs CUDA"),
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["a", "b"]}, "one entry per engine rank (1)"),

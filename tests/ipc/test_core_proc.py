@@ -196,3 +196,61 @@ def test_a_call_is_answered_before_the_next_step_with_the_outputs_it_made_first(
     assert kinds == ["StepOutputs", "Reply", "StepOutputs"]  # the call's outputs, its reply, then the step
     assert messages[0].outputs[0].request_id == "aborted" and messages[1].call_id == call
     assert messages[2].outputs[0].new_token_ids == [loop.engine.steps]
+
+
+class _Joining:
+    """A join that ends when the test says, with a result or an error."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.error: Exception | None = None
+
+    def deferred(self):
+        from siesta.core.deferred import Deferred
+
+        def finish() -> str:
+            if self.error is not None:
+                raise self.error
+            return "weight_update_group"
+
+        return Deferred(lambda: self.ended, finish)
+
+
+def test_a_join_is_answered_once_it_ends_and_the_loop_serves_and_steps_meanwhile(loop):
+    from siesta.ipc.protocol import InitWeightsUpdateGroup
+
+    joining = _Joining()
+    loop.engine.begin_weights_update_group = lambda info: joining.deferred()
+    loop.engine.has_work = lambda: True  # a stream is running: it must keep stepping
+    call = loop.send(InitWeightsUpdateGroup(init_info={}))
+    seen: list = []
+    for _ in range(5):
+        seen.extend(loop.turn())
+    assert call not in _replies(seen)
+    assert loop.engine.steps >= 5  # one step a turn while the trainer has not come
+    other = loop.send(IsPaused())  # control calls are answered meanwhile
+    assert _replies(loop.turn())[other].result is False
+    joining.ended = True
+    reply = _replies(loop.turn())[call]
+    assert reply.error is None and reply.result == "weight_update_group"
+    loop.engine.resume()  # a resume does not cancel a join
+    failed = _Joining()
+    loop.engine.begin_weights_update_group = lambda info: failed.deferred()
+    call = loop.send(InitWeightsUpdateGroup(init_info={}))
+    loop.turn()
+    failed.ended, failed.error = True, ValueError("could not join: nobody at 127.0.0.1:1")
+    reply = _replies(loop.turn())[call]
+    assert "nobody at" in from_remote(reply.error).args[0]
+
+
+def test_an_idle_loop_with_a_join_in_progress_does_not_spin(loop):
+    from siesta.ipc.protocol import InitWeightsUpdateGroup
+
+    joining = _Joining()
+    loop.engine.begin_weights_update_group = lambda info: joining.deferred()
+    loop.send(InitWeightsUpdateGroup(init_info={}))
+    loop.turn()  # takes the call
+    before = loop.engine.steps
+    for _ in range(3):
+        loop.turn()
+    assert loop.engine.steps == before  # nothing to step: it waits on its input, polling the join

@@ -219,3 +219,36 @@ def test_the_clients_pause_and_sleep_clear_the_tier_by_default(loop):
         loop.run(scenario())
     finally:
         loop.run(core.shutdown())
+
+
+def test_state_queries_answer_from_the_cores_last_message_and_track_every_change(loop, core):
+    # is_paused, is_sleeping and the weight version never wait behind the step in flight: each
+    # message of the core carries them. The oracle is the core's own answer to the call.
+    import msgspec
+
+    from siesta.ipc.protocol import EngineInfo, GetInfo, IsPaused, IsSleeping
+
+    async def direct():
+        info = msgspec.convert(await core.call(GetInfo()), EngineInfo)
+        return await core.call(IsPaused()), await core.call(IsSleeping()), info.weight_version
+
+    async def cached():
+        return await core.is_paused(), await core.is_sleeping(), (await core.get_info()).weight_version
+
+    async def scenario():
+        seen = []
+        for change in (lambda: core.pause(mode="keep"), core.resume, lambda: core.sleep(level=1), core.wake_up,
+                       lambda: core.update_weight_version("renamed", False), lambda: core.update_weight_version("0", False)):  # fmt: skip
+            await change()
+            got, want = await cached(), await direct()
+            seen.append(got)
+            assert got == want, (got, want)
+        return seen
+
+    seen = loop.run(scenario())
+    assert [s[:2] for s in seen[:4]] == [(True, False), (False, False), (True, True), (False, False)]
+    assert seen[4][2] == "renamed" and seen[5][2] == "0"
+    calls_before = core._ids  # a cached query sends nothing to the core
+    n = next(calls_before)
+    loop.run(core.is_paused())
+    assert next(core._ids) == n + 1

@@ -14,10 +14,12 @@ from siesta import __version__
 from siesta.config import EngineConfig
 from siesta.entrypoints.server import (
     chat,
+    collective_rpc,
     completions,
     dev_routes,
     generate_tokens,
     info_routes,
+    primerl_routes,
     tokenize_routes,
     weight_routes,
 )
@@ -29,6 +31,7 @@ from siesta.entrypoints.server.limits import BodySizeLimit, PromptLimit
 from siesta.entrypoints.server.sglang import control as sglang_control
 from siesta.entrypoints.server.sglang import generate as sglang_generate
 from siesta.entrypoints.server.sglang import info as sglang_info
+from siesta.entrypoints.server.sglang import loads as sglang_loads
 from siesta.entrypoints.server.sglang import weights as sglang_weights
 from siesta.entrypoints.server.state import ServerConfig, ServerState
 from siesta.ipc.client import EngineCoreClient
@@ -65,11 +68,14 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     app.include_router(generate_tokens.router)
     app.include_router(sglang_generate.router)
     app.include_router(sglang_info.router)
+    app.include_router(sglang_loads.router)
     if config.dev_mode:
         app.include_router(dev_routes.router)
         app.include_router(weight_routes.router)
         app.include_router(sglang_control.router)
         app.include_router(sglang_weights.router)
+        app.include_router(primerl_routes.router)
+        app.include_router(collective_rpc.router)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)  # outermost: before any parsing

@@ -63,7 +63,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     prompt = await asyncio.to_thread(
         chat_prompt, state.llm.tokenizer, body.messages, body.add_generation_prompt, truncate_to
     )
-    state.prompt_limit.check_completion(len(prompt.token_ids), params.max_tokens)
+    state.prompt_limit.check_completion(len(prompt.token_ids), params.max_tokens, params.min_tokens)
     meta = Meta(request_id(request, ID_PREFIX), model)
     generation = await state.llm.generate(meta.id, [prompt], params, body.cache_salt)
     abort_on_disconnect(request, generation)

@@ -72,7 +72,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         completion_prompts, tokenizer, body.prompt, state.info.vocab_size, state.prompt_limit, truncate_to
     )
     for prompt in prompts:
-        state.prompt_limit.check_completion(len(prompt.token_ids), params.max_tokens)
+        state.prompt_limit.check_completion(len(prompt.token_ids), params.max_tokens, params.min_tokens)
     echo = None
     if body.echo:
         texts = await asyncio.to_thread(_prompt_texts, tokenizer, prompts)

@@ -10,6 +10,7 @@ BadRequestError); validation of query parameters is 422, FastAPI's convention.
 from __future__ import annotations
 
 import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -17,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from siesta.brief import bounded
 from siesta.core.engine_core import EngineOverloaded, EngineStateError
 from siesta.entrypoints.server.jsonio import AsciiJSONResponse
 from siesta.ipc.remote_errors import EngineDeadError
@@ -27,6 +29,10 @@ logger = logging.getLogger(__name__)
 _VALUE_ERROR_PREFIX = "Value error, "  # pydantic's prefix for a validator's ValueError
 RETRY_AFTER_S = "1"  # a full queue drains by a batch in about a second's steps
 _BODY = "body"
+# Location parts pydantic adds for the branch of a union it tried: type names, and model classes.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "tuple", "set", "none", "any"})
+_CLASS_NAME = re.compile(r"[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*")
+_TYPE_MISMATCH = "_type"  # pydantic's error types for a value of the wrong type (string_type, list_type, ...)
 
 
 class APIError(Exception):
@@ -52,7 +58,8 @@ def error_type(status: int) -> str:
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
+    # Bounded, whatever the message quotes of the request (siesta.brief).
+    return {"error": {"message": bounded(message), "type": error_type(status), "param": param, "code": status}}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> AsciiJSONResponse:
@@ -84,21 +91,56 @@ def param_of(message: str, fields: set[str]) -> str | None:
     return first if first in fields else None
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None, bool]:
-    """(message naming each bad parameter, the first one, whether any error is in the body)."""
-    parts: list[str] = []
-    first: str | None = None
-    in_body = False
-    for err in exc.errors():
-        loc = [str(p) for p in err.get("loc", ())]
-        in_body = in_body or (bool(loc) and loc[0] == _BODY)
-        name = ".".join(loc[1:]) if len(loc) > 1 else (loc[0] if loc else "request")
+def field_path(loc: Any) -> list[str]:
+    """A pydantic error location as the user wrote it: field names and list indices, without
+    the tags pydantic adds for each branch of a union and each validator it ran through
+    (``function-after[_refuse(), SGLangSamplingParams]``, ``list[str]``, ``int``)."""
+    return [str(part) for part in loc if isinstance(part, int) or not _is_pydantic_tag(str(part))]
+
+
+def _is_pydantic_tag(part: str) -> bool:
+    return "[" in part or "(" in part or part in _TYPE_TAGS or _CLASS_NAME.fullmatch(part) is not None
+
+
+def describe_errors(errors: list[dict[str, Any]], skip_root: bool = False) -> tuple[str, str | None]:
+    """(one message naming every bad field by its path, the first path) for pydantic's errors.
+
+    A value that fits no branch of a union gets one error per branch; where one of them says
+    more than "not of this type" (a validator's message, a bad field inside), the bare type
+    mismatches of the same field are left out. ``skip_root`` drops the first location part
+    (FastAPI's ``body`` or ``query``).
+    """
+    found = []
+    for err in errors:
+        path = field_path(err.get("loc", ()))[1 if skip_root else 0 :]
         message = str(err.get("msg", "invalid")).removeprefix(_VALUE_ERROR_PREFIX)
         if err.get("type") == "json_invalid":
-            name, message = _BODY, f"the body is not valid JSON: {err.get('ctx', {}).get('error', message)}"
-        parts.append(f"{name}: {message}")
+            path, message = [_BODY], f"the body is not valid JSON: {err.get('ctx', {}).get('error', message)}"
+        found.append((path, message, str(err.get("type", "")).endswith(_TYPE_MISMATCH)))
+    telling = {p[0] for p, _, mismatch in found if p and not mismatch}
+    parts: list[str] = []
+    first: str | None = None
+    for path, message, mismatch in found:
+        if mismatch and path and path[0] in telling:
+            continue
+        name = ".".join(path) or "request"
+        named = message.split(" ", 1)[0].rstrip(":,")
+        if named == name or named.startswith(name + "."):  # a validator that names the field itself
+            name, part = named, message
+        else:
+            part = f"{name}: {message}"
+        if part not in parts:
+            parts.append(part)
         first = first or name
-    return "; ".join(parts) or "invalid request", first, in_body
+    return "; ".join(parts) or "invalid request", first
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None, bool]:
+    """(message naming each bad parameter, the first one, whether any error is in the body)."""
+    errors = list(exc.errors())
+    in_body = any(tuple(err.get("loc", ()))[:1] == (_BODY,) for err in errors)
+    message, first = describe_errors(errors, skip_root=True)
+    return message, first, in_body
 
 
 def install_error_handlers(app: FastAPI) -> None:

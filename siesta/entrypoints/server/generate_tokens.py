@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import difflib
+import logging
 import uuid
 from http import HTTPStatus
 from typing import Any
@@ -26,7 +28,7 @@ from siesta.entrypoints.server.generation_io import EVENT_STREAM, collect, strea
 from siesta.entrypoints.server.jsonio import AsciiJSONResponse
 from siesta.entrypoints.server.limits import check_fanout
 from siesta.entrypoints.server.prompts import completion_prompts
-from siesta.entrypoints.server.protocol import Int, StreamOptions
+from siesta.entrypoints.server.protocol import Int, StreamOptions, TokenId
 from siesta.entrypoints.server.responses import (
     chat_logprobs,
     prompt_logprobs_json,
@@ -35,6 +37,7 @@ from siesta.entrypoints.server.responses import (
     weight_version,
     weight_versions,
 )
+from siesta.entrypoints.server.sampling_params import token_id_keys
 from siesta.entrypoints.server.state import REQUEST_ID_HEADER, server_state
 from siesta.output_processor import OutputProcessor
 from siesta.sampling import SamplingParams
@@ -48,12 +51,16 @@ NOT_IMPLEMENTED = frozenset({
     "logprob_token_ids", "skip_clone",
 })  # fmt: skip
 _OFF_VALUES: tuple[Any, ...] = (None, False, [], {}, 1)
+CACHE_SALT = "cache_salt"
+# How alike an unknown field and a sampling field must be for the first to read as a misspelling.
+TYPO_CUTOFF = 0.8
+logger = logging.getLogger(__name__)
 
 
 class TokensGenerateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")  # vLLM's GenerateRequest; kv_transfer_params et al. are refused
 
-    token_ids: list[Int]
+    token_ids: list[TokenId]
     sampling_params: dict[str, Any] = {}
     request_id: str | None = None
     model: str | None = None
@@ -71,13 +78,14 @@ async def generate_tokens(body: TokensGenerateRequest, request: Request) -> Resp
         raise APIError(HTTPStatus.BAD_REQUEST, "priority scheduling is not supported by siesta; leave priority at 0",
                        "priority")  # fmt: skip
     params = _sampling_params(body.sampling_params)
+    cache_salt = body.cache_salt if body.cache_salt is not None else _salt_in(body.sampling_params)
     check_fanout(1, params.n, state.config.max_request_fanout)
     prompts = await asyncio.to_thread(
         completion_prompts, state.llm.tokenizer, body.token_ids, state.info.vocab_size, state.prompt_limit
     )
-    state.prompt_limit.check_completion(len(prompts[0].token_ids), params.max_tokens)
+    state.prompt_limit.check_completion(len(prompts[0].token_ids), params.max_tokens, params.min_tokens)
     rid = body.request_id or request.headers.get(REQUEST_ID_HEADER) or f"gen-{uuid.uuid4().hex}"
-    generation = await state.llm.generate(rid, prompts, params, body.cache_salt)
+    generation = await state.llm.generate(rid, prompts, params, cache_salt)
     abort_on_disconnect(request, generation)
 
     def envelope(choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -99,6 +107,15 @@ async def generate_tokens(body: TokensGenerateRequest, request: Request) -> Resp
     )
 
 
+def _salt_in(given: dict[str, Any]) -> str | None:
+    """prime-rl's client merges its extra_body into sampling_params, so the salt arrives there."""
+    salt = given.get(CACHE_SALT)
+    if salt is not None and not isinstance(salt, str):
+        raise APIError(HTTPStatus.BAD_REQUEST, f"sampling_params.{CACHE_SALT} must be a string, got "
+                       f"{type(salt).__name__}", f"sampling_params.{CACHE_SALT}")  # fmt: skip
+    return salt
+
+
 def _sampling_params(given: dict[str, Any]) -> SamplingParams:
     for name, value in given.items():
         if name in _FIELDS:
@@ -108,10 +125,21 @@ def _sampling_params(given: dict[str, Any]) -> SamplingParams:
                 continue
             raise APIError(HTTPStatus.BAD_REQUEST, f"sampling_params.{name} is not supported by siesta yet; leave it out",
                            f"sampling_params.{name}")  # fmt: skip
-        raise APIError(HTTPStatus.BAD_REQUEST, f"sampling_params.{name} is not a vLLM sampling parameter",
-                       f"sampling_params.{name}")  # fmt: skip
+        if name == CACHE_SALT:
+            continue
+        # vLLM decodes sampling_params with msgspec, which drops fields it does not know
+        # (a framework's own additions): so does siesta, saying so. One that reads
+        # as a misspelt sampling field would change the result silently: refused, naming it.
+        close = difflib.get_close_matches(name, _FIELDS, n=1, cutoff=TYPO_CUTOFF)
+        if close:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"sampling_params.{name} is not a vLLM sampling parameter; "
+                           f"did you mean {close[0]}?", f"sampling_params.{name}")  # fmt: skip
+        logger.warning("ignoring the unknown field sampling_params.%s", name)
     try:
-        return SamplingParams(**{k: v for k, v in given.items() if k in _FIELDS})
+        fields = {k: v for k, v in given.items() if k in _FIELDS}
+        if isinstance(fields.get("logit_bias"), dict):  # JSON keys are strings: vLLM's msgspec reads them as ids
+            fields["logit_bias"] = token_id_keys(fields["logit_bias"])
+        return SamplingParams(**fields)
     except (ValueError, TypeError) as e:
         first = str(e).split(" ", 1)[0]
         name = f"sampling_params.{first}" if first in _FIELDS else "sampling_params"

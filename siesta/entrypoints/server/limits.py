@@ -104,8 +104,18 @@ class PromptLimit:
                 param,
             )
 
-    def check_completion(self, prompt_tokens: int, max_tokens: int | None) -> None:
-        """vLLM's answer to a max_tokens that does not fit beside the prompt: a 400, not a cut."""
+    def check_completion(self, prompt_tokens: int, max_tokens: int | None, min_tokens: int = 0) -> None:
+        """vLLM's answer to a max_tokens that does not fit beside the prompt: a 400, not a cut.
+        A min_tokens that cannot fit is one too, max_tokens given or not (without it, the
+        request would run to the context limit and end short of its minimum)."""
+        room = self.max_model_len - prompt_tokens
+        if min_tokens > room:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"min_tokens={min_tokens} cannot be met: the prompt has {prompt_tokens} tokens and max_model_len "
+                f"is {self.max_model_len}, so at most {room} tokens can be generated",
+                "min_tokens",
+            )
         if max_tokens is not None and prompt_tokens + max_tokens > self.max_model_len:
             raise APIError(
                 HTTPStatus.BAD_REQUEST,

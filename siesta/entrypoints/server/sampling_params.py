@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -68,6 +70,17 @@ def echo_only(body: CompletionRequest) -> bool:
     return bool(body.echo) and body.max_tokens == 0
 
 
+def token_id_keys(bias: dict[Any, Any]) -> dict[Any, Any]:
+    """A logit_bias's JSON keys ("5") as the token ids they name; a key that is no integer is
+    left as it is, for SamplingParams to refuse by name."""
+    out: dict[Any, Any] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        out[key] = value
+    return out
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's string keys as token ids, each bias clamped to [-100, 100] (vLLM's from_optional)."""
     if bias is None:
@@ -78,6 +91,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
             token_id = int(key)
         except ValueError:
             raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}") from None
+        if not math.isfinite(value):  # clamped, NaN would read as -100 (max(-100, nan) is -100)
+            raise ValueError(f"logit_bias must map token ids to finite numbers, got {value} for token {key}")
         out[token_id] = min(MAX_ABS_LOGIT_BIAS, max(-MAX_ABS_LOGIT_BIAS, value))
     return out
 

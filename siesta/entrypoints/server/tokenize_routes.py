@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from siesta.entrypoints.server.errors import APIError
 from siesta.entrypoints.server.limits import content_chars
 from siesta.entrypoints.server.prompts import chat_prompt
-from siesta.entrypoints.server.protocol import ChatMessage, Int
+from siesta.entrypoints.server.protocol import ChatMessage, TokenId
 from siesta.entrypoints.server.state import ServerState, server_state
 
 router = APIRouter(tags=["tokenizer"])
@@ -45,7 +45,7 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[Int]
+    tokens: list[TokenId]
 
 
 def _tokenizer(state: ServerState) -> PreTrainedTokenizerBase:
@@ -57,7 +57,10 @@ def _tokenizer(state: ServerState) -> PreTrainedTokenizerBase:
 def _encode(tokenizer: PreTrainedTokenizerBase, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        return list(tokenizer.encode(body.prompt, add_special_tokens=special))
+        try:
+            return list(tokenizer.encode(body.prompt, add_special_tokens=special))
+        except Exception as e:  # noqa: BLE001 - tokenizers raise many types on odd text (lone surrogates, ...)
+            raise APIError(HTTPStatus.BAD_REQUEST, f"cannot tokenize the prompt: {e}", "prompt") from None
     if body.add_special_tokens:
         raise APIError(HTTPStatus.BAD_REQUEST, "add_special_tokens with messages is not supported: the chat "
                        "template places the special tokens", "add_special_tokens")  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from siesta.entrypoints.server import primerl_routes
 from siesta.entrypoints.server.protocol import (
     FinishWeightUpdateRequest,
     InitWeightTransferRequest,
@@ -45,6 +46,8 @@ async def start_weight_update(request: Request, body: StartWeightUpdateRequest |
 
 @router.post("/update_weights")
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict[str, str]:
+    if body.weight_dir is not None:
+        return await primerl_routes.update_from_weight_dir(request, body.weight_dir)
     version = await _core(request).update_weights(body.model_path, _version(body.weight_version), body.update_info)
     return {"weight_version": version}
 

@@ -55,7 +55,13 @@ async def pause_generation(request: Request, body: PauseGenerationRequest | None
 
 @router.post("/continue_generation")
 async def continue_generation(request: Request) -> dict[str, str]:
-    await server_state(request).core.resume()
+    core = server_state(request).core
+    if await core.is_sleeping():
+        # SGLang's continue only clears the pause flag, memory released or not; slime pauses
+        # and continues around a push between its memory resumes. Here the last resume (the
+        # engine's wake-up) continues generation.
+        return _ok("Generation continues once the memory occupation is resumed.")
+    await core.resume()
     return _ok("Generation continued successfully.")
 
 

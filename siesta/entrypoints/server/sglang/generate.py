@@ -35,6 +35,9 @@ from siesta.entrypoints.server.limits import check_fanout
 from siesta.entrypoints.server.prompts import TokenizedPrompt, completion_prompts
 from siesta.entrypoints.server.sglang.meta import LogprobOptions, answer
 from siesta.entrypoints.server.sglang.protocol import OUTPUT_LOGPROBS_ONLY, GenerateRequest, SGLangSamplingParams
+from siesta.entrypoints.server.sglang.top_p import CANDIDATES as TOP_P_CANDIDATES
+from siesta.entrypoints.server.sglang.top_p import FLAG as TOP_P_FLAG
+from siesta.entrypoints.server.sglang.top_p import Nucleus
 from siesta.entrypoints.server.state import ServerState, server_state
 from siesta.ipc.remote_errors import EngineDeadError
 from siesta.sampling import SamplingParams
@@ -64,7 +67,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     params = [_params(body, prompt, i, len(prompts)) for i, prompt in enumerate(prompts)]
     check_fanout(len(prompts), params[0].n, state.config.max_request_fanout)
     for prompt, p in zip(prompts, params):
-        state.prompt_limit.check_completion(len(prompt.token_ids), p.max_tokens)
+        state.prompt_limit.check_completion(len(prompt.token_ids), p.max_tokens, p.min_tokens)
     options = [_logprob_options(body, prompt, i, len(prompts)) for i, prompt in enumerate(prompts)]
     ids = _choice_ids(body.rid, len(prompts), params[0].n)
     # The generation's own id: what /abort_request takes to end all of it.
@@ -110,6 +113,13 @@ def _params(body: GenerateRequest, prompt: TokenizedPrompt, index: int, count: i
     if isinstance(body.sampling_params, list) and len({p.n for p in body.sampling_params}) > 1:
         raise APIError(HTTPStatus.BAD_REQUEST, "every prompt's sampling_params must have the same n", "sampling_params")
     logprobs = options.top_logprobs_num if options.return_logprob else None
+    scaled = not original_logprobs()
+    if options.top_p is not None:
+        if not scaled and options.return_logprob:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"sampling_params.custom_params.{TOP_P_FLAG} with return_logprob "
+                           f"needs the sampled distribution's logprobs, and {ORIGINAL_LOGPROB_ENV}=1 asks for the raw "
+                           "ones: siesta reports one of them per request", f"sampling_params.custom_params.{TOP_P_FLAG}")  # fmt: skip
+        logprobs, scaled = TOP_P_CANDIDATES, True  # the sets are read off the likeliest tokens
     try:
         return SamplingParams(
             n=sp.n, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
@@ -119,7 +129,7 @@ def _params(body: GenerateRequest, prompt: TokenizedPrompt, index: int, count: i
             ignore_eos=sp.ignore_eos, logprobs=logprobs, prompt_logprobs=None if options.input_start is None
             else options.top_logprobs_num, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, include_stop_str_in_output=sp.no_stop_trim,
-            scaled_logprobs=not original_logprobs(),
+            scaled_logprobs=scaled,
         )  # fmt: skip
     except ValueError as e:
         raise _sampling_error(e) from None
@@ -151,6 +161,7 @@ def _logprob_options(body: GenerateRequest, prompt: TokenizedPrompt, index: int,
         return_text=body.return_text_in_logprobs,
         input_start=start if return_logprob and start != OUTPUT_LOGPROBS_ONLY else None,
         prompt_only=sp.max_new_tokens == 0,
+        top_p=Nucleus.of(sp) if sp.wants_top_p_sets else None,
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from siesta.entrypoints.server.async_llm import Choice
 from siesta.entrypoints.server.responses import json_logprob, top_entries, weight_versions
+from siesta.entrypoints.server.sglang.top_p import Nucleus, TopPSets
 from siesta.output_processor import RequestState
 from siesta.request import Logprob
 
@@ -29,6 +30,7 @@ class LogprobOptions:
     return_text: bool = False  # return_text_in_logprobs
     input_start: int | None = None  # logprob_start_len, when the prompt's tokens are scored too
     prompt_only: bool = False  # max_new_tokens 0: the engine's one sampled token is not shown
+    top_p: Nucleus | None = None  # slime's custom_params.return_top_p_token_ids: the rule its sets follow
 
 
 def finish_reason(state: RequestState) -> dict[str, Any] | None:
@@ -72,18 +74,30 @@ def _meta(choice: Choice, options: LogprobOptions, shown: int) -> dict[str, Any]
         "weight_version": state.weight_version,
         "weight_versions": weight_versions(state),  # siesta's: which version sampled which tokens
     }
+    sets = _top_p_sets(state, options, shown)
     if options.return_logprob:
-        meta |= _output_logprobs(state, options, shown) | _input_logprobs(state, options)
+        meta |= _output_logprobs(state, options, shown, sets) | _input_logprobs(state, options)
+    if sets is not None:
+        meta |= sets.meta()
     if state.finished:
         meta["e2e_latency"] = time.monotonic() - state.arrival
     return meta
 
 
-def _output_logprobs(state: RequestState, options: LogprobOptions, shown: int) -> dict[str, Any]:
+def _top_p_sets(state: RequestState, options: LogprobOptions, shown: int) -> TopPSets | None:
+    """The sampled tokens' top-p sets, once the request finished (as slime's patch sends them)."""
+    if options.top_p is None or not state.finished or not shown:
+        return None
+    return TopPSets.of(options.top_p, list(state.token_ids[:shown]), (state.logprobs or [])[:shown])
+
+
+def _output_logprobs(state: RequestState, options: LogprobOptions, shown: int, sets: TopPSets | None) -> dict[str, Any]:
     entries = (state.logprobs or [])[:shown]
-    out: dict[str, Any] = {
-        "output_token_logprobs": [_triple(t, e[t], options.return_text) for t, e in zip(state.token_ids, entries)]
-    }
+    triples = [_triple(t, e[t], options.return_text) for t, e in zip(state.token_ids, entries)]
+    if sets is not None:  # SGLang's patch: each logprob over the token's set
+        for i, (t, e) in enumerate(zip(state.token_ids, entries)):
+            triples[i][0] = json_logprob(sets.renormalised(i, t, e))
+    out: dict[str, Any] = {"output_token_logprobs": triples}
     if options.top_logprobs_num > 0:
         out["output_top_logprobs"] = [_top(e, options) for e in entries]
     return out

@@ -8,11 +8,12 @@ ignored with a warning. Values are range-checked once, by ``SamplingParams``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from siesta.entrypoints.server.protocol import Float, Int
+from siesta.entrypoints.server.protocol import Float, Int, TokenId
+from siesta.entrypoints.server.sglang.top_p import FLAG as TOP_P_FLAG
 
 logger = logging.getLogger(__name__)
 # SGLang's default output length (its SamplingParams.max_new_tokens).
@@ -24,7 +25,7 @@ _OFF: Any = None
 # SGLang's sampling fields siesta does not implement, with the value that means off.
 SAMPLING_NOT_IMPLEMENTED: dict[str, Any] = {
     "json_schema": _OFF, "regex": _OFF, "ebnf": _OFF, "structural_tag": _OFF, "stop_regex": _OFF,
-    "custom_params": _OFF, "logit_bias": _OFF,
+    "logit_bias": _OFF,
 }  # fmt: skip
 # SGLang's request fields siesta does not implement.
 GENERATE_NOT_IMPLEMENTED: dict[str, Any] = {
@@ -79,6 +80,13 @@ class SGLangSamplingParams(BaseModel):
     spaces_between_special_tokens: StrictBool = True
     no_stop_trim: StrictBool = False  # keep the matched stop string in the text
     sampling_seed: Int | None = None
+    # SGLang passes these to a custom logit processor (none runs here, so SGLang ignores them);
+    # slime's return_top_p_token_ids is honoured (sglang/top_p.py).
+    custom_params: dict[str, Any] | None = None
+
+    @property
+    def wants_top_p_sets(self) -> bool:
+        return bool((self.custom_params or {}).get(TOP_P_FLAG))
 
 
 PerPrompt = Any  # a value, or a list of one value per prompt (SGLang's batch form)
@@ -97,7 +105,7 @@ class GenerateRequest(BaseModel):
         return self
 
     text: str | list[str] | None = None
-    input_ids: list[Int] | list[list[Int]] | None = None
+    input_ids: Annotated[list[TokenId] | list[list[TokenId]] | None, Field(union_mode="left_to_right")] = None
     sampling_params: SGLangSamplingParams | list[SGLangSamplingParams] | None = None
     rid: str | list[str] | None = None
     stream: StrictBool = False

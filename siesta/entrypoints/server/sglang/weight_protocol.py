@@ -42,6 +42,7 @@ class InitWeightsUpdateGroupRequest(SglangBody):
     world_size: Int
     group_name: str = DEFAULT_GROUP_NAME
     backend: str = DEFAULT_BACKEND
+    timeout_s: float | None = None  # siesta's: how long the join waits for the trainer (default 30 s)
 
 
 class DestroyWeightsUpdateGroupRequest(SglangBody):

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
 
-from siesta.entrypoints.server.errors import status_for
+from siesta.entrypoints.server.errors import describe_errors, status_for
 from siesta.entrypoints.server.jsonio import AsciiJSONResponse
 from siesta.entrypoints.server.sglang.weight_protocol import (
     DestroyWeightsUpdateGroupRequest,
@@ -37,7 +37,6 @@ from siesta.ipc.protocol import OneCallOptions
 
 router = APIRouter(tags=["sglang-weights"])
 Body = TypeVar("Body", bound=BaseModel)
-_VALUE_ERROR_PREFIX = "Value error, "
 
 
 class _BadBody(ValueError):
@@ -52,16 +51,12 @@ async def _parse(request: Request, model: type[Body]) -> Body:
     # Parsed here rather than by FastAPI, so that a bad body is answered in SGLang's shape too.
     try:
         data = json.loads(await request.body() or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise _BadBody(f"the body is not valid JSON: {e}") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        parts = []
-        for err in e.errors():
-            where = ".".join(str(p) for p in err.get("loc", ())) or "body"
-            parts.append(f"{where}: {str(err.get('msg', 'invalid')).removeprefix(_VALUE_ERROR_PREFIX)}")
-        raise _BadBody("; ".join(parts)) from None
+        raise _BadBody(describe_errors(e.errors())[0]) from None
 
 
 def _options(body: OneCallFields) -> OneCallOptions:
