@@ -393,12 +393,17 @@ def deterministic(args: argparse.Namespace) -> dict[str, Any]:
 
 def seed_line(args: argparse.Namespace) -> dict[str, Any]:
     """The seed's serve line exactly as it is given (its tensor-parallel size aside), the seed's
-    client unchanged at ``--http-prompt-words``: the figure a user who pastes it gets."""
+    client unchanged at ``--http-prompt-words``: the figure a user who pastes it gets, for each
+    ``$MODEL`` shape (with whether the burst's KV fits the line's 32 GiB tier)."""
     from siesta.bench import seed_line as seed
 
     extra = [] if args.seed_line_extra is None else args.seed_line_extra.split()
-    return seed.run(args.resume_requests, args.http_prompt_words, shape=args.seed_line_shape,
-                    tokenizer=args.http_tokenizer, extra_flags=extra)
+    out: dict[str, Any] = {}
+    for shape in args.seed_line_shapes:
+        out[shape] = seed.run(args.resume_requests, args.http_prompt_words, shape=shape,
+                              tokenizer=args.http_tokenizer, extra_flags=extra)  # fmt: skip
+        gc.collect()
+    return out
 
 
 def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
@@ -866,11 +871,15 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
                      f"goal <= 10%; bit-identical: {results['deterministic']['bit_identical']}"])  # fmt: skip
     if isinstance(results.get("fidelity"), dict):
         rows.extend(fidelity_rows(results["fidelity"]))
-    if isinstance(results.get("seed_line"), dict) and "seed_client" in results["seed_line"]:
-        stored = sum((get("seed_line", "kept_store_bytes", default={}) or {}).values())
-        rows.append(["seed's serve line as given (p50 speedup)", get("seed_line", "speedup_p50"),
-                     f"goal >= 15x; kept arm stored {stored / 2**20:,.0f} MiB (goal 0); kept replay prefilled "
-                     f"{get('seed_line', 'kept_replay_steps', 'prefill_tokens', default=0):,} tokens"])  # fmt: skip
+    for shape, line in (results.get("seed_line") or {}).items():
+        if not isinstance(line, dict) or "seed_client" not in line:
+            continue
+        stored = sum((line.get("kept_store_bytes") or {}).values())
+        burst = line.get("burst_kv", {})
+        rows.append([f"seed's serve line as given, {shape} (p50 speedup)", line.get("speedup_p50"),
+                     f"goal >= 15x; burst KV {burst.get('GiB', 0):.1f} GiB in the line's {burst.get('tier_GiB', 0):.0f} GiB "
+                     f"tier; kept arm stored {stored / 2**20:,.0f} MiB (goal 0), prefilled "
+                     f"{line.get('kept_replay_steps', {}).get('prefill_tokens', 0):,} tokens"])  # fmt: skip
     if isinstance(results.get("resume_http"), dict) and "http" in results["resume_http"]:
         rows.append(["seed client over HTTP (p50 speedup)", get("resume_http", "seed_client_speedup_p50"),
                      f"goal >= 15x; in process {get('resume_http', 'in_process_speedup_p50', default=0) or 0:.1f}x"])
@@ -946,7 +955,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fidelity-kv-bytes", type=int, default=FIDELITY_KV_BYTES)
     ap.add_argument("--fidelity-head-shape", default="llama-3-8b", help="fidelity: the shape also run with the fp32 head")
     ap.add_argument("--deterministic-extra", default=None, help="deterministic: more flags (CPU test runs)")
-    ap.add_argument("--seed-line-shape", default="llama-3-8b", help="seed_line: the random shape served as $MODEL")
+    ap.add_argument("--seed-line-shapes", type=lambda s: s.split(","), default=["qwen2.5-7b", "llama-3-8b"],
+                    help="seed_line: the random shapes served as $MODEL, one server each")
     ap.add_argument("--seed-line-extra", default=None,
                     help="seed_line: flags after the seed's (CPU test runs only: the GPU run adds none)")
     ap.add_argument("--tp-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,

@@ -1,9 +1,12 @@
 """The seed's serve line exactly as the seed gives it (minus ``--tensor-parallel-size``), with
 the seed's client unchanged: what a vLLM user who pastes that line gets from siesta.
 
-The seed serves a DeepSeek checkpoint; here ``$MODEL`` is random weights of the Llama-3-8B
-architecture with SmolLM2's tokenizer, as ``random:DIR`` (a folder holding that config.json
-and the tokenizer files), so no flag is added to the line. The server's steps are traced
+The seed serves a DeepSeek checkpoint, whose compressed KV takes 1.31 GB for the client's
+311k tokens; here ``$MODEL`` is random weights of a trainer's architecture with SmolLM2's
+tokenizer, as ``random:DIR`` (a folder holding that config.json and the tokenizer files), so no
+flag is added to the line. Whether the burst's KV fits the line's 32 GiB tier decides the kept
+replay: Qwen2.5-7B's (4 KV heads, 56 KiB a token) does; Llama-3-8B's (128 KiB a token, 37 GiB
+for the burst) does not, and its replay recomputes what the tier could not keep. The server's steps are traced
 (``SIESTA_STEP_TRACE``, an environment variable, not a flag): the kept replay's steps say how
 much it computed besides loading, which is what the step budget can change.
 """
@@ -32,6 +35,9 @@ SEED_FLAGS = [
      '"kv_connector_extra_config":{"block_size":128,"cpu_bytes_to_use":34359738368}}'),
 ]  # fmt: skip
 SEED_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+# The line's host tier (its cpu_bytes_to_use): 32 GiB.
+SEED_TIER_BYTES = json.loads(SEED_FLAGS[SEED_FLAGS.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
+    "cpu_bytes_to_use"]
 # A pause this long between steps separates the client's bursts (sleep and wake-up among them).
 BURST_GAP_S = 0.3
 
@@ -82,6 +88,14 @@ def last_burst(steps: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def kv_bytes_per_token(shape: str) -> int:
+    """K and V of every layer for one token in bf16 (the line serves the checkpoint's dtype)."""
+    from siesta.model.registry import shape_of
+
+    s = shape_of(RANDOM_SHAPES[shape].config())
+    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * 2
+
+
 def measure(line: SeedLine, requests: int, prompt_words: int) -> dict[str, Any]:
     """Start the seed's server, run the seed's client, stop: its JSON and the kept replay's steps."""
     with tempfile.TemporaryDirectory(prefix="siesta-seed-line-") as tmp:
@@ -101,6 +115,12 @@ def measure(line: SeedLine, requests: int, prompt_words: int) -> dict[str, Any]:
 
 def run(requests: int, prompt_words: int, shape: str = "llama-3-8b", tokenizer: str | Path = DEFAULT_TOKENIZER,
         extra_flags: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    from siesta.bench.resume_http import seed_prompt_tokens
+
     with tempfile.TemporaryDirectory(prefix="siesta-seed-model-") as folder:
         line = SeedLine(model_folder(shape, tokenizer, Path(folder)), extra_flags or [])
-        return measure(line, requests, prompt_words)
+        out = measure(line, requests, prompt_words)
+    burst = requests * seed_prompt_tokens(str(tokenizer), prompt_words) * kv_bytes_per_token(shape)
+    out["burst_kv"] = {"GiB": burst / 2**30, "tier_GiB": SEED_TIER_BYTES / 2**30, "fits": burst <= SEED_TIER_BYTES,
+                       "bytes_per_token": kv_bytes_per_token(shape)}  # fmt: skip
+    return out

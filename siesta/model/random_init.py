@@ -108,6 +108,13 @@ RANDOM_SHAPES: dict[str, RandomShape] = {
         "rms_norm_eps": 1e-6, "rope_parameters": _rope(1000000.0), "tie_word_embeddings": True,
         "bos_token_id": 151643, "eos_token_id": [151645, 151643],
     }),
+    # The base model of most RL recipes (GRPO on math, verl's and slime's examples).
+    "qwen2.5-7b": RandomShape("qwen2", {
+        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6, "rope_parameters": _rope(1000000.0), "tie_word_embeddings": False,
+        "bos_token_id": 151643, "eos_token_id": 151643,
+    }),
     "qwen3-0.6b": RandomShape("qwen3", {
         "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
         "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,

@@ -50,12 +50,15 @@ def test_last_burst_is_the_steps_after_the_last_pause() -> None:
 
 def test_the_section_runs_the_seed_client_against_the_line() -> None:
     args = gpu.build_parser().parse_args([])
-    small = {"resume_requests": 2, "http_prompt_words": 40, "seed_line_shape": "smollm2-135m",
+    small = {"resume_requests": 2, "http_prompt_words": 40, "seed_line_shapes": ["smollm2-135m"],
              "http_tokenizer": str(DEFAULT_TOKENIZER), "seed_line_extra": CPU_EXTRA}
     args = argparse.Namespace(**(vars(args) | small))
     out = gpu.seed_line(args)
     json.dumps(out)
+    summary = gpu.summary({"seed_line": out})
+    out = out["smollm2-135m"]
+    assert out["burst_kv"]["tier_GiB"] == 32 and 0 < out["burst_kv"]["GiB"] < 1
     kept = out["seed_client"]["kept"]["metric_delta"]
     assert kept["siesta_external_prefix_cache_hits_total"] > 0  # the tier was kept and read back
     assert out["kept_replay_steps"]["steps"] > 0 and out["speedup_p50"] > 0
-    assert ["seed's serve line as given (p50 speedup)"] == [r[0] for r in gpu.summary({"seed_line": out}) if "seed's" in r[0]]
+    assert ["seed's serve line as given, smollm2-135m (p50 speedup)"] == [r[0] for r in summary if "seed's" in r[0]]

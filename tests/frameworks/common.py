@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -12,9 +13,11 @@ from typing import Any
 
 import httpx
 
+# bench/gpu.sh runs the colocated paths (CUDA IPC) with the trainer's tensors on the GPU.
+ON_GPU = os.environ.get("SIESTA_TRAINER_DEVICE", "cpu").startswith("cuda")
 TRAINER = Path(__file__).with_name("trainer.py")
 TRAINER_CALL_S = 180.0
-# Logprobs against the trainer's, fp32 on the CPU both sides.
+# Logprobs against the trainer's, fp32 both sides (the engine's fp32 attention is exact on a GPU too).
 TOLERANCE = 1e-4
 FEW_TOKENS_S = 0.05  # the tiny model samples ~20 tokens meanwhile on the 2-core machine
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import uuid
 
-from frameworks.common import check_against_trainer, in_flight, ok, post
+from frameworks.common import ON_GPU, check_against_trainer, in_flight, ok, post
 
 PROMPT = [21, 22, 23, 24, 25, 400, 401, 402, 403, 404, 60, 61, 62, 63, 64, 65]
 
@@ -75,7 +75,8 @@ def rpc(url: str, method: str, **kwargs) -> dict:
 
 
 def test_the_vllm_path_sleep_wake_ipc_buckets(url, trainer):
-    handle = f"ipc:///tmp/rl-colocate-zmq-siesta-test-{uuid.uuid4().hex[:8]}.sock"
+    # verl's own socket (named by the GPU's UUID) on a GPU; on the CPU siesta's zmq_handle names one.
+    handle = None if ON_GPU else f"ipc:///tmp/rl-colocate-zmq-siesta-test-{uuid.uuid4().hex[:8]}.sock"
     for seed, level in ((402, 2), (403, 1)):
         assert rpc(url, "sleep", level=level) == {"results": [None]}
         rpc(url, "wake_up", tags=["weights"])

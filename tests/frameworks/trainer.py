@@ -51,6 +51,21 @@ torch.set_num_threads(1)
 mp.set_sharing_strategy("file_system")  # what SGLang's and verl's CPU sharing needs across processes
 CALL_S = 120.0
 SHAPE = "tiny-llama"
+# Where the colocated pushes' tensors live: the CPU (shared by file_system) in the suite; "cuda"
+# (bench/gpu.sh) shares them by CUDA IPC, as the frameworks do when trainer and engine share a GPU.
+DEVICE = torch.device(os.environ.get("SIESTA_TRAINER_DEVICE", "cpu"))
+
+
+def _shareable(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy another process can open: CUDA memory (IPC) on a GPU, else shared memory by name."""
+    if DEVICE.type == "cuda":
+        return tensor.to(DEVICE, copy=True)
+    return tensor.clone().share_memory_()
+
+
+def verl_socket() -> str:
+    """verl's ZeroMQ address for the GPU the trainer and the engine share (vLLM's GPU UUID)."""
+    return f"ipc:///tmp/rl-colocate-zmq-GPU-{torch.cuda.get_device_properties(DEVICE).uuid}.sock"
 
 
 class Trainer:
@@ -134,7 +149,7 @@ class Trainer:
         httpx.post(url + "/pause_generation", json={}, timeout=CALL_S).raise_for_status()
         _slime_flush(url)
         bucket = flattened_bucket(self.named())
-        bucket["flattened_tensor"].share_memory_()
+        bucket["flattened_tensor"] = _shareable(bucket["flattened_tensor"])
         body = {"serialized_named_tensors": [serialize(bucket)], "load_format": "flattened_bucket",
                 "flush_cache": False, "weight_version": version}  # fmt: skip
         _ok(_post(url, "/update_weights_from_tensor", body))
@@ -174,7 +189,7 @@ class Trainer:
         for name, tensor in [*self.named(), (None, None)]:
             full = name is None or sum(t.nbytes for _, t in bucket) + tensor.nbytes > bucket_bytes
             if bucket and full:
-                shared = [t.clone().share_memory_() for _, t in bucket]  # alive until the engine copied them
+                shared = [_shareable(t) for _, t in bucket]  # alive until the engine copied them
                 pairs = [(n, PerRankTensor([_forking(t)])) for (n, _), t in zip(bucket, shared)]
                 body = {"serialized_named_tensors": [serialize(pairs)], "load_format": None, "flush_cache": False}
                 r = httpx.post(url + "/update_weights_from_tensor", json=body, timeout=CALL_S)
@@ -184,14 +199,19 @@ class Trainer:
                 bucket.append((name, tensor))
         httpx.get(url + "/flush_cache", timeout=CALL_S).raise_for_status()
 
-    def verl_vllm_push(self, url: str, zmq_handle: str, bucket_bytes: int = 64 << 10) -> None:
+    def verl_vllm_push(self, url: str, zmq_handle: str | None = None, bucket_bytes: int = 64 << 10) -> None:
         """vllm_rollout.ServerAdapter.update_weights: collective_rpc('update_weights_from_ipc') in
         flight, the bucket buffer's handle, then each bucket's metadata, answered once copied.
-        The CPU variant: the buffer shared by file_system, its handle pickled by ForkingPickler."""
-        body = {"method": "update_weights_from_ipc", "kwargs": {"peft_config": None, "base_sync_done": False,
-                                                               "zmq_handle": zmq_handle}}  # fmt: skip
+        On a GPU verl's own shapes: a CUDA buffer, its socket named by the GPU's UUID. The CPU
+        variant: the buffer shared by file_system, the socket named by siesta's zmq_handle."""
+        kwargs: dict[str, Any] = {"peft_config": None, "base_sync_done": False}
+        if zmq_handle is None:
+            zmq_handle = verl_socket()
+        else:
+            kwargs["zmq_handle"] = zmq_handle
+        body = {"method": "update_weights_from_ipc", "kwargs": kwargs}
         call = _later(lambda: httpx.post(url + "/collective_rpc", json=body, timeout=CALL_S))
-        buffer = torch.empty(bucket_bytes, dtype=torch.uint8).share_memory_()
+        buffer = _shareable(torch.empty(bucket_bytes, dtype=torch.uint8))
         ctx = zmq.Context()
         s = ctx.socket(zmq.REQ)
         s.bind(zmq_handle)
@@ -201,12 +221,14 @@ class Trainer:
             offset, meta = 0, {}
             for name, weight in self.named():
                 if offset + weight.nbytes > bucket_bytes:
+                    _synchronize()  # verl synchronizes before each bucket's metadata goes out
                     s.send_pyobj({"bucket_meta": meta, "is_last": False})
                     s.recv()
                     offset, meta = 0, {}
                 meta[name] = {"name": name, "shape": weight.shape, "dtype": weight.dtype, "offset": offset}
                 buffer[offset : offset + weight.nbytes].copy_(weight.view(-1).view(torch.uint8))
                 offset += weight.nbytes
+            _synchronize()
             s.send_pyobj({"bucket_meta": meta, "is_last": True})
             s.recv()
         finally:
@@ -304,6 +326,11 @@ class Trainer:
         assert r.status_code == 200, r.text
         r = rpc("skyrl_finish_weight_update")
         assert r.status_code == 200, r.text
+
+
+def _synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def _forking(tensor: torch.Tensor) -> bytes:
