@@ -215,4 +215,5 @@ def engine_info(engine: Any) -> EngineInfo:
         weight_version=engine.weight_version,
         pid=os.getpid(),
         retains_tier=engine.connector is None or engine.connector.supports_retained_cache_on_pause,
+        records_routing=engine.runner.routed is not None,
     )

@@ -186,6 +186,9 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     pid: int = 0
     # Whether the KV tiers can be kept through a pause or sleep (clear_connector_cache=False).
     retains_tier: bool = True
+    # Whether the engine records the experts tokens are routed to (enable_return_routed_experts):
+    # vLLM's routes then return them with every answer.
+    records_routing: bool = False
 
 
 class RemoteError(msgspec.Struct, omit_defaults=True):

@@ -21,10 +21,12 @@ from siesta.entrypoints.server.protocol import ChatCompletionRequest
 from siesta.entrypoints.server.responses import (
     chat_logprobs,
     prompt_logprobs_json,
+    routed_experts,
     stamp_chunk,
     usage,
     weight_version,
     weight_versions,
+    with_routing,
 )
 from siesta.entrypoints.server.sampling_params import chat_params, tokenize_params
 from siesta.entrypoints.server.state import request_id, server_state
@@ -58,6 +60,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params = await asyncio.to_thread(tokenize_params, params, state.llm.tokenizer, state.info.vocab_size)
     except ValueError as e:
         raise sampling_error(e) from None
+    params = with_routing(params, state.info.records_routing)
     if truncate_to is None:  # a conversation to be truncated may be longer than the model takes
         state.prompt_limit.check_text(content_chars(body.messages), "messages")
     prompt = await asyncio.to_thread(
@@ -91,7 +94,7 @@ def _choice(choice: Choice, return_token_ids: bool, as_ids: bool = False) -> dic
         "finish_reason": choice.state.finish_reason,
         "stop_reason": choice.state.stop_reason,
         "weight_versions": weight_versions(choice.state),
-    }
+    } | routed_experts(choice.state)
     if return_token_ids:
         entry["token_ids"] = out.token_ids
     return entry

@@ -30,11 +30,13 @@ from siesta.entrypoints.server.protocol import CompletionRequest
 from siesta.entrypoints.server.responses import (
     json_logprob,
     prompt_logprobs_json,
+    routed_experts,
     stamp_chunk,
     token_text,
     usage,
     weight_version,
     weight_versions,
+    with_routing,
 )
 from siesta.entrypoints.server.sampling_params import completion_params, echo_only, tokenize_params
 from siesta.entrypoints.server.state import request_id, server_state
@@ -67,6 +69,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         params = await asyncio.to_thread(tokenize_params, params, state.llm.tokenizer, state.info.vocab_size)
     except ValueError as e:
         raise sampling_error(e) from None
+    params = with_routing(params, state.info.records_routing)
     tokenizer = state.llm.tokenizer
     prompts = await asyncio.to_thread(
         completion_prompts, tokenizer, body.prompt, state.info.vocab_size, state.prompt_limit, truncate_to
@@ -137,6 +140,7 @@ def _choice(
         text, token_ids, entries = echo.prepend(choice, text, token_ids, entries)
     entry = _choice_json(choice, text, token_ids, entries, logprobs)
     entry["weight_versions"] = weight_versions(choice.state)
+    entry |= routed_experts(choice.state)
     if return_token_ids:
         entry |= {"token_ids": out.token_ids, "prompt_token_ids": list(choice.prompt.token_ids)}
     if choice.state.prompt_logprobs is not None:

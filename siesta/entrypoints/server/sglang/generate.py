@@ -129,7 +129,8 @@ def _params(body: GenerateRequest, prompt: TokenizedPrompt, index: int, count: i
             ignore_eos=sp.ignore_eos, logprobs=logprobs, prompt_logprobs=None if options.input_start is None
             else options.top_logprobs_num, skip_special_tokens=sp.skip_special_tokens,
             spaces_between_special_tokens=sp.spaces_between_special_tokens, include_stop_str_in_output=sp.no_stop_trim,
-            scaled_logprobs=scaled,
+            scaled_logprobs=scaled, return_routed_experts=body.return_routed_experts,
+            routed_experts_prompt_start=body.routed_experts_start_len,
         )  # fmt: skip
     except ValueError as e:
         raise _sampling_error(e) from None
@@ -140,6 +141,9 @@ def _sampling_error(exc: ValueError) -> APIError:
     first = message.split(" ", 1)[0]
     if first == "logprobs":
         return APIError(HTTPStatus.BAD_REQUEST, message.replace("logprobs", "top_logprobs_num", 1), "top_logprobs_num")
+    if first == "routed_experts_prompt_start":
+        return APIError(HTTPStatus.BAD_REQUEST, message.replace(first, "routed_experts_start_len", 1),
+                        "routed_experts_start_len")  # fmt: skip
     name = f"sampling_params.{_SGLANG_NAMES.get(first, first)}"
     return APIError(HTTPStatus.BAD_REQUEST, message.replace(first, name, 1), name)
 

@@ -79,6 +79,9 @@ def _meta(choice: Choice, options: LogprobOptions, shown: int) -> dict[str, Any]
         meta |= _output_logprobs(state, options, shown, sets) | _input_logprobs(state, options)
     if sets is not None:
         meta |= sets.meta()
+    if state.routed_experts is not None:  # SGLang's layout: base64 of int32 [rows, layers, top_k]
+        meta["routed_experts"] = state.routed_experts.sglang_base64()
+        meta["routed_experts_start_len"] = state.routed_experts.start
     if state.finished:
         meta["e2e_latency"] = time.monotonic() - state.arrival
     return meta

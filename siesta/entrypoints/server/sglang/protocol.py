@@ -31,7 +31,7 @@ SAMPLING_NOT_IMPLEMENTED: dict[str, Any] = {
 GENERATE_NOT_IMPLEMENTED: dict[str, Any] = {
     "input_embeds": _OFF, "image_data": _OFF, "video_data": _OFF, "audio_data": _OFF, "lora_path": _OFF,
     "lora_id": _OFF, "session_params": _OFF, "custom_logit_processor": _OFF, "return_hidden_states": False,
-    "token_ids_logprob": _OFF, "return_routed_experts": False, "bootstrap_host": _OFF, "bootstrap_port": _OFF,
+    "token_ids_logprob": _OFF, "bootstrap_host": _OFF, "bootstrap_port": _OFF,
     "bootstrap_room": _OFF, "data_parallel_rank": _OFF, "return_output_logprob_only": False,
     "modalities": _OFF,
 }  # fmt: skip
@@ -114,6 +114,10 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: Int | list[Int] = 0
     return_text_in_logprobs: StrictBool = False
     extra_key: str | None = None  # SGLang's cache namespace: siesta's cache_salt
+    # A mixture-of-experts model's routing (the server run with --enable-return-routed-experts):
+    # meta_info.routed_experts covers the tokens [routed_experts_start_len, seqlen - 1).
+    return_routed_experts: StrictBool = False
+    routed_experts_start_len: Int = 0
 
     @property
     def is_batch(self) -> bool:
