@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import enum
+import io
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -142,6 +143,14 @@ class RoutedExperts(msgspec.Struct, omit_defaults=True):
     def sglang_base64(self) -> str:
         """SGLang's ``meta_info["routed_experts"]``: base64 of the int32 little-endian array."""
         return base64.b64encode(self.array().astype("<i4").tobytes()).decode("ascii")
+
+    def npy_base64(self) -> str:
+        """vLLM's ``choice["routed_experts"]``: base64 of the ``.npy`` file of ``[rows, layers, top_k]``
+        (its header names the dtype and shape; the ids in the compact dtype)."""
+        ids = np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<"))
+        buf = io.BytesIO()
+        np.save(buf, ids.reshape(self.rows, self.num_layers, self.top_k), allow_pickle=False)
+        return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
