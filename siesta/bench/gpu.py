@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from siesta.bench import moe as moe_bench
 from siesta.bench.common import print_table, random_prompts
 from siesta.bench.fidelity import summary_rows as fidelity_rows
 from siesta.bench.gpu_tp import summary_rows as tensor_parallel_rows
@@ -834,6 +835,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "step_io": step_io,
     "decode_kernels": decode_kernels,
     "tensor_parallel": tensor_parallel,
+    "moe": lambda args: moe_bench.run(args),
 }
 # Run by name only: diagnostics; resume_http, which runs the resume section again beside the
 # server; tensor_parallel, which needs a host with several GPUs.
@@ -918,6 +920,8 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
                  f"{get('sleep_wake', 'weights_GB_s_wake', default=0) or 0:.1f}", "goal >= 40"])  # fmt: skip
     if isinstance(results.get("weight_transfer"), dict):
         rows.extend(weight_transfer_rows(results["weight_transfer"]))  # ipc push, first push, RL step, nccl
+    if isinstance(results.get("moe"), dict):
+        rows.extend(moe_bench.summary_rows(results["moe"]))
     if "tensor_parallel" in results:
         rows.extend(tensor_parallel_rows(results["tensor_parallel"]))
     return rows
@@ -965,6 +969,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tensor_parallel: the models, each at every size that fits")
     ap.add_argument("--tp-dtype", default="bfloat16", help="tensor_parallel: the weights' dtype")
     ap.add_argument("--tp-cpu-kv-cache-bytes", type=int, default=64 << 20, help="tensor_parallel on the CPU: KV bytes")
+    ap.add_argument("--moe-model", default="random:qwen3-30b-a3b", help="moe: the mixture-of-experts model")
+    ap.add_argument("--moe-prefill-tokens", type=int, default=8192)
+    ap.add_argument("--moe-check-shape", default="qwen3-30b-a3b", help="moe: the shape of the fidelity check")
+    ap.add_argument("--moe-check-layers", type=int, default=4, help="moe: its layers (fp32 transformers must fit)")
+    ap.add_argument("--moe-check-tokens", type=int, default=4096)
+    ap.add_argument("--moe-parts", type=lambda s: s.split(","), default=["fidelity", "resume", "weight_transfer"],
+                    help="moe: what runs after decode and prefill")
     ap.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS, help="host-to-device GB/s of the resume floor")
     ap.add_argument("--transfer-blocks", type=int, default=2048)
     ap.add_argument("--json", default=None)

@@ -1,0 +1,155 @@
+"""The ``moe`` section of ``siesta.bench.gpu``: a mixture-of-experts model (Qwen3-30B-A3B's shape,
+random weights, bf16) as the dense sections measure the 8B.
+
+- decode tok/s at batch 1 / 16 / 64 / 256 against the roofline of the bytes a step must read:
+  the weights every token uses (attention, norms, routers, the head; the embedding's rows only),
+  the experts the batch touches (top-k of E per token and layer; with E experts routed uniformly
+  a batch of b touches E * (1 - (1 - k/E)^b) a layer: the expectation, which random weights'
+  near-uniform routing follows), and the KV the batch attends to;
+- prefill at 8k: MFU over the active parameters (the dense part and k of E experts a token);
+- fidelity: the engine against a transformers trainer (its default init, pushed) per position
+  bucket in units of the trainer's own bf16 floor, on a cut of the shape to ``--moe-check-layers``
+  layers (transformers in fp32 holds the whole 30B in 122 GB); the router's top-k agreement;
+- resume: the seed's experiment (kept tier against cleared) on this model;
+- weight push: CUDA IPC from a trainer process (``weight_transfer``), GB/s against a device copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from typing import Any
+
+import torch
+
+from siesta.bench.steps import HBM_BYTES_PER_S, decode_step_s, sync
+
+BF16_PEAK_FLOPS = 989e12
+EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def expected_experts_touched(batch: int, num_experts: int, top_k: int) -> float:
+    """Distinct experts a layer reads for ``batch`` tokens routed uniformly, top_k each."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def _model_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the experts (all), of the embedding table, and of everything else."""
+    out = {"experts": 0, "embedding": 0, "dense": 0}
+    for name, p in model.named_parameters():
+        key = "experts" if name.endswith(EXPERT_PARAMS) else "embedding" if "embed_tokens" in name else "dense"
+        out[key] += p.numel() * p.element_size()
+    return out
+
+
+def decode(llm, batches: list[int], context: int, steps: int) -> dict[str, Any]:
+    model = llm.engine.runner.model
+    shape = model.shape
+    sizes = _model_bytes(model)
+    hidden = shape.hidden_size
+    per_expert = sizes["experts"] // (len(shape.sparse_layers) * shape.num_experts)
+    kv_per_token = llm.engine.runner.kv_cache.block_bytes // llm.config.cache.block_size
+    res: dict[str, Any] = {"bytes": sizes, "bytes_per_expert": per_expert}
+    for b in batches:
+        dt = decode_step_s(llm, b, context, steps)
+        touched = expected_experts_touched(b, shape.num_experts, shape.top_k)
+        step_bytes = (sizes["dense"] + b * hidden * 2 + len(shape.sparse_layers) * touched * per_expert
+                      + b * context * kv_per_token)  # fmt: skip
+        floor = step_bytes / HBM_BYTES_PER_S
+        res[f"batch{b}"] = {"step_ms": dt * 1e3, "tok_s": b / dt, "experts_touched_per_layer": touched,
+                            "step_bytes": step_bytes, "roofline_ms": floor * 1e3, "of_roofline": floor / dt}  # fmt: skip
+    return res
+
+
+def prefill(llm, n: int, reps: int = 3) -> dict[str, Any]:
+    from siesta import SamplingParams
+    from siesta.bench.common import random_prompts
+
+    model = llm.engine.runner.model
+    shape = model.shape
+    sizes = _model_bytes(model)
+    active = (sizes["dense"] + sizes["experts"] * shape.top_k / shape.num_experts) / 2  # bf16 parameters
+    dt = float("nan")
+    for rep in range(reps):  # the first run compiles
+        prompt = random_prompts(1, n, n, llm.engine.vocab_size, seed=40 + rep)[0]
+        sync()
+        t0 = time.perf_counter()
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)
+        sync()
+        dt = time.perf_counter() - t0
+    attn = 2 * 2 * shape.num_layers * shape.num_heads * shape.head_dim * n * n / 2
+    flops = 2 * active * n + attn
+    return {"tokens": n, "s": dt, "tok_s": n / dt, "active_params": active, "mfu": flops / dt / BF16_PEAK_FLOPS}
+
+
+def fidelity(shape_name: str, layers: int, long_len: int, device: str) -> dict[str, Any]:
+    from siesta.bench import fidelity as oracle
+    from siesta.model.random_init import RANDOM_SHAPES
+
+    config = RANDOM_SHAPES[shape_name].config()
+    config.num_hidden_layers = layers
+    return oracle.run_shape(f"{shape_name}[{layers} layers]", config, device=device, long_len=long_len, batch=1,
+                            engine_dtype="bfloat16", kv_cache_bytes=8 << 30)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The section: ``args`` are the GPU bench's (``--moe-model`` and ``--moe-*`` flags)."""
+    from siesta import LLM
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out: dict[str, Any] = {"model": args.moe_model}
+    base = {"dtype": "bfloat16", "max_model_len": args.max_model_len, "device": args.device, "max_num_seqs": 256}
+    llm = LLM(args.moe_model, **base, gpu_memory_utilization=0.85, max_num_batched_tokens=args.moe_prefill_tokens)
+    out["decode"] = decode(llm, args.decode_batches, args.decode_context, args.decode_steps)
+    out["prefill"] = prefill(llm, args.moe_prefill_tokens)
+    del llm
+    _free()
+    for name, step in (("fidelity", lambda: fidelity(args.moe_check_shape, args.moe_check_layers,
+                                                      args.moe_check_tokens, device)),
+                       ("resume", lambda: _resume(args)), ("weight_transfer", lambda: _push(args))):  # fmt: skip
+        if name not in args.moe_parts:
+            continue
+        t0 = time.perf_counter()
+        try:
+            out[name] = step()
+        except Exception as e:  # noqa: BLE001 - one part's failure is reported, the rest still run
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+        out[f"{name}_s"] = time.perf_counter() - t0
+        _free()
+    return out
+
+
+def _resume(args: argparse.Namespace) -> dict[str, Any]:
+    from siesta.bench.gpu import resume
+
+    return resume(argparse.Namespace(**(vars(args) | {"model": args.moe_model, "resume_variants": False})))
+
+
+def _push(args: argparse.Namespace) -> dict[str, Any]:
+    from siesta.bench.weight_transfer import weight_transfer
+
+    return weight_transfer(argparse.Namespace(**(vars(args) | {"model": args.moe_model, "wt_skip_nccl": True})))
+
+
+def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for key, cell in (res.get("decode") or {}).items():
+        if key.startswith("batch"):
+            rows.append([f"MoE decode {key} tok/s", cell["tok_s"], f"{cell['of_roofline']:.0%} of the bytes-read roofline "
+                         f"({cell['experts_touched_per_layer']:.0f} experts a layer)"])  # fmt: skip
+    if "prefill" in res:
+        rows.append([f"MoE prefill {res['prefill']['tokens']} tok/s", res["prefill"]["tok_s"],
+                     f"MFU {res['prefill']['mfu']:.0%} (goal >= 60%)"])  # fmt: skip
+    fid = res.get("fidelity") or {}
+    if "push_batch1" in fid:
+        rows.append(["MoE logprobs / trainer's bf16 floor", fid["push_batch1"]["worst_ratio"], "goal <= 1.5"])
+    if isinstance(res.get("resume"), dict) and "speedup_p50" in res["resume"]:
+        rows.append(["MoE resume kept vs cleared (p50)", res["resume"]["speedup_p50"], ""])
+    return rows
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,34 @@
+"""The GPU bench's ``moe`` section, run on the CPU on the tiny Qwen3-MoE: its roofline arithmetic
+against a count by hand, and the section end to end (decode, prefill, the fidelity oracle)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from siesta.bench import gpu
+from siesta.bench.moe import expected_experts_touched
+
+
+def test_experts_touched_is_the_uniform_expectation() -> None:
+    assert expected_experts_touched(1, 128, 8) == pytest.approx(8.0)
+    # Two tokens: 8 + 8 * (120 / 128) distinct experts on average (the second's picks that miss the first's).
+    assert expected_experts_touched(2, 128, 8) == pytest.approx(8 + 8 * 120 / 128)
+    assert expected_experts_touched(10_000, 128, 8) == pytest.approx(128.0)
+
+
+def test_the_section_runs_on_the_tiny_moe() -> None:
+    args = gpu.build_parser().parse_args([])
+    small = {"moe_model": "random:tiny-qwen3-moe", "moe_check_shape": "tiny-qwen3-moe", "moe_check_layers": 2,
+             "moe_check_tokens": 160, "moe_prefill_tokens": 128, "moe_parts": ["fidelity"], "decode_batches": [1, 4],
+             "decode_context": 32, "decode_steps": 2, "max_model_len": 512, "device": "cpu"}  # fmt: skip
+    out = gpu.SECTIONS["moe"](argparse.Namespace(**(vars(args) | small)))
+    json.dumps(out)
+    assert out["decode"]["batch1"]["experts_touched_per_layer"] == pytest.approx(2.0)
+    assert 0 < out["decode"]["batch4"]["of_roofline"] and out["prefill"]["tok_s"] > 0
+    # bf16 on the CPU against transformers fp32, in units of transformers' own bf16 floor.
+    assert out["fidelity"]["push_batch1"]["worst_ratio"] is not None
+    rows = [r[0] for r in gpu.summary({"moe": out})]
+    assert "MoE decode batch1 tok/s" in rows and "MoE logprobs / trainer's bf16 floor" in rows
