@@ -98,6 +98,19 @@ def _features(macros: bytes) -> set[bytes]:
     return {line for line in macros.splitlines() if re.fullmatch(rb"#define __[A-Z0-9_]+__ 1", line)}
 
 
+_ISA_FEATURE = re.compile(rb"#define __(AVX[A-Z0-9_]*|FMA|F16C|SSE4_2|NEON|ARM_NEON|ARM_FEATURE_SVE|AMX[A-Z0-9_]*)__ 1")
+
+
+def isa_features(march: str | None = None) -> list[str]:
+    """The vector ISA features the CPU kernels are built with here (``AVX512F``, ``AVX2``, ``FMA``,
+    ``ARM_NEON``...): what a CPU benchmark's figures were measured with. Empty without a compiler."""
+    cc = compiler()
+    macros = None if cc is None else predefined_macros(cc, with_march(CFLAGS, march or os.environ.get(MARCH_ENV, NATIVE)))
+    if macros is None:
+        return []
+    return sorted(m.group(1).decode() for line in macros.splitlines() if (m := _ISA_FEATURE.fullmatch(line)))
+
+
 def library_path(name: str, source: bytes, flags: tuple[str, ...], macros: bytes) -> Path:
     """Where ``source`` built with ``flags`` lies in the cache (``<name>-<machine>-<key>.so``)."""
     parts = [source, " ".join(flags).encode(), macros, *(h.read_bytes() for h in HEADERS)]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from siesta.c_kernels import isa_features
 from siesta.cpu_info import cpu_model
 
 # Token ids below this are left out of random prompts: they are the special tokens of most vocabularies.
@@ -30,7 +31,7 @@ def random_prompts(num: int, min_len: int, max_len: int, vocab_size: int, seed: 
 def machine() -> dict[str, Any]:
     """What a result was measured on: figures from two VMs of one size differ by 2x."""
     return {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__}  # fmt: skip
+            "torch": torch.__version__, "kernel_isa": isa_features()}  # fmt: skip
 
 
 def percentile(values: Sequence[float], q: float) -> float:

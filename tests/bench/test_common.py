@@ -24,3 +24,16 @@ def test_machine_names_the_cpu_and_its_threads() -> None:
     assert facts["logical_cpus"] == os.cpu_count()
     assert facts["torch_threads"] == torch.get_num_threads()
     assert facts["torch"] == torch.__version__
+
+
+def test_machine_names_the_isa_the_kernels_are_built_with() -> None:
+    """Read against /proc/cpuinfo's own flags: a native build uses only what the CPU has."""
+    facts = machine()
+    if platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists():
+        assert isinstance(facts["kernel_isa"], list)
+        return
+    flags = {f.upper() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
+             for f in line.split(":", 1)[1].split()}  # fmt: skip
+    assert facts["kernel_isa"], "a native build on x86-64 uses at least SSE4.2"
+    for feature in facts["kernel_isa"]:
+        assert feature.replace("_", "") in {f.replace("_", "") for f in flags}, feature
