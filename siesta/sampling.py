@@ -144,6 +144,13 @@ class SamplingParams:
         """A copy whose lists are its own."""
         return self.replace()
 
+    def with_routing(self, records_routing: bool) -> SamplingParams:
+        """vLLM's rule: an engine that records routing (enable_return_routed_experts) returns it
+        with every request's output."""
+        if not records_routing or self.return_routed_experts:
+            return self
+        return self.replace(return_routed_experts=True)
+
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with some fields changed, validated again."""
         return dataclasses.replace(self, **changes)

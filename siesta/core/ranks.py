@@ -263,6 +263,9 @@ class RankedUpdater:
         if self.ranks.size == 1:
             self.local.write(weights)
             return
+        if isinstance(weights, Mapping):
+            # Refused here, whole, before a tensor moves: the ranks get a list, which they stream.
+            self.local.check(weights)
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
         # Tensors cross to the other ranks by value: the weight-transfer calls are the fast way.
         moved = [(name, tensor.detach().to("cpu")) for name, tensor in items]

@@ -32,6 +32,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         prefault_kv_cache: bool = False,
+        kv_cache_dtype: str = "auto",
         seed: int = 0,
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int | None = None,
@@ -53,7 +54,8 @@ class LLM:
         self.config = EngineConfig.from_flags(
             model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
             kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, prefault_kv_cache=prefault_kv_cache, seed=seed,
+            enable_prefix_caching=enable_prefix_caching, prefault_kv_cache=prefault_kv_cache,
+            kv_cache_dtype=kv_cache_dtype, seed=seed,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill, async_scheduling=async_scheduling,
             max_waiting_requests=max_waiting_requests,
@@ -143,7 +145,9 @@ class LLM:
         return parent
 
     def _prepare_params(self, params: SamplingParams) -> SamplingParams:
-        """The request's own copy, with its bad words as token ids (the core has no tokenizer)."""
+        """The request's own copy, with its bad words as token ids (the core has no tokenizer), and
+        asking for its routing where the engine records it (vLLM's rule)."""
+        params = params.with_routing(self.engine.runner.routed is not None)
         if not params.bad_words:
             return params
         token_ids = bad_words_token_ids(self._require_tokenizer(), params.bad_words)

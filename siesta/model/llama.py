@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -40,6 +40,12 @@ QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe"})
 @dataclass(frozen=True)
 class DecoderShape:
     """The numbers the engine needs from a transformers config."""
+
+    # The fields that set the shapes (and the set) of the weight tensors: a checkpoint read into
+    # the served model must agree on these (``weight_transfer.checkpoints``).
+    weight_shape_fields: ClassVar[tuple[str, ...]] = (
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+        "head_dim", "qkv_bias", "qk_norm", "tie_word_embeddings")  # fmt: skip
 
     model_type: str
     vocab_size: int

@@ -9,8 +9,8 @@ parallelism every expert is cut along its intermediate features: rank r holds fe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -27,6 +27,9 @@ _SHARDS = ("gate", "up")
 
 @dataclass(frozen=True)
 class MoeShape(DecoderShape):
+    weight_shape_fields: ClassVar[tuple[str, ...]] = (
+        *DecoderShape.weight_shape_fields, "num_experts", "moe_intermediate_size", "sparse_layers")
+
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate_size: int = 0
@@ -41,7 +44,7 @@ class MoeShape(DecoderShape):
         experts = config.num_experts
         sparse = tuple(i for i in range(layers) if i not in dense_only and experts > 0 and (i + 1) % step == 0)
         return cls(
-            **{f: getattr(dense, f) for f in DecoderShape.__dataclass_fields__},
+            **{f.name: getattr(dense, f.name) for f in fields(DecoderShape)},
             num_experts=experts,
             top_k=config.num_experts_per_tok,
             moe_intermediate_size=config.moe_intermediate_size,
@@ -81,7 +84,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         if pname.endswith(f"experts.{qwen3_moe_names.GATE_UP}"):
             return self._gate_up_plan(name, part, tuple(params[pname].shape))
         if pname.endswith(f"experts.{qwen3_moe_names.DOWN}"):
-            return self._down_plan(part, tuple(params[pname].shape))
+            return self._down_plan(name, part, tuple(params[pname].shape))
         return super()._plan_part(name, part, params)
 
     def _gate_up_plan(self, name: str, part: CheckpointPart, shape: tuple[int, ...]) -> Plan:
@@ -91,8 +94,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         experts, _, hidden = shape
         start, length = self.expert_range
         full = self.shape.moe_intermediate_size
-        if expert is not None and not 0 <= expert < experts:
-            raise ValueError(f"checkpoint tensor {name!r}: expert {expert} is not among this model's {experts}")
+        _check_expert(name, expert, experts)
         if part.shard is not None:  # one expert's gate or up: [I, H]
             offset = 0 if part.shard == "gate" else length
             place = Place(0, offset, start, length, whole=length == full, all_rows=False, expert=expert)
@@ -108,17 +110,23 @@ class Qwen3MoeForCausalLM(CausalLM):
                   Place(dim, length, full + start, length, whole=False, all_rows=False, expert=which))  # fmt: skip
         return Plan(pname, keys, full_shape, places)
 
-    def _down_plan(self, part: CheckpointPart, shape: tuple[int, ...]) -> Plan:
+    def _down_plan(self, name: str, part: CheckpointPart, shape: tuple[int, ...]) -> Plan:
         """This rank's input columns of one expert's down (``[H, I]``) or every expert's (``[E, H, I]``)."""
         pname, expert = part.pname, part.expert
         experts, hidden, _ = shape
         start, length = self.expert_range
         full = self.shape.moe_intermediate_size
         whole = length == full
-        if expert is not None and not 0 <= expert < experts:
-            raise ValueError(f"checkpoint tensor {pname}:{expert}: expert {expert} is not among this model's {experts}")
+        _check_expert(name, expert, experts)
         if expert is not None:
             place = Place(1, 0, start, length, whole=whole, all_rows=True, expert=expert)
             return Plan(pname, (f"{pname}:{expert}",), (hidden, full), (place,))
         place = Place(2, 0, start, length, whole=whole, all_rows=True)
         return Plan(pname, tuple(f"{pname}:{e}" for e in range(experts)), (experts, hidden, full), (place,))
+
+
+def _check_expert(name: str, expert: int | None, experts: int) -> None:
+    """Refuses, naming the checkpoint tensor, an expert id past this model's experts (checked
+    when the name is planned, so before anything of a state dict is written)."""
+    if expert is not None and not 0 <= expert < experts:
+        raise ValueError(f"checkpoint tensor {name!r}: expert {expert} is not among this model's {experts}")

@@ -17,13 +17,10 @@ from typing import Any
 from siesta.brief import brief
 from siesta.model.llama import DecoderShape
 from siesta.model.loader import ModelSource, accepted_models, resolve_model
+from siesta.model.registry import shape_of
 from siesta.weight_transfer.wire import WeightTransferError
 
 logger = logging.getLogger(__name__)
-
-# The fields of a decoder's config that set the shapes (and the set) of its weight tensors.
-WEIGHT_SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                       "num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "tie_word_embeddings")  # fmt: skip
 
 
 def update_source(model_path: Any, served: DecoderShape) -> ModelSource:
@@ -32,14 +29,16 @@ def update_source(model_path: Any, served: DecoderShape) -> ModelSource:
         raise WeightTransferError(f"model_path must be a path or random:<shape>, got {brief(model_path)}")
     try:
         source = resolve_model(model_path)
-        shape = DecoderShape.from_config(source.hf_config)
+        shape = shape_of(source.hf_config)  # its family's numbers: a mixture of experts' too
     except Exception as e:  # noqa: BLE001 - any reason reads the same to the caller
         logger.warning("update from %r refused: %s", model_path, e)
         raise WeightTransferError(
             f"model_path {brief(model_path)} is not a model siesta can load here; {accepted_models()}"
         ) from None
-    differ = [f"{name} {getattr(shape, name)} (served: {getattr(served, name)})"
-              for name in WEIGHT_SHAPE_FIELDS if getattr(shape, name) != getattr(served, name)]  # fmt: skip
+    # The served family's fields: a checkpoint of another family lacks some (None: they differ).
+    differ = [f"{name} {getattr(shape, name, None)} (served: {getattr(served, name)})"
+              for name in served.weight_shape_fields
+              if getattr(shape, name, None) != getattr(served, name)]  # fmt: skip
     if differ:
         raise WeightTransferError(
             f"model_path {brief(model_path)} holds another architecture than the served model: {'; '.join(differ)}; "

@@ -167,11 +167,7 @@ class WeightUpdater:
         """Tensors handed over in process (Hugging Face or fused names). A state dict is checked
         whole first; a stream that breaks off after writing some leaves the weights torn."""
         if isinstance(weights, Mapping):
-            params = self.model.parameter_table()
-            for name, tensor in weights.items():
-                target = self.model.weight_target(name, params)
-                if target is not None and target.full_shape != tuple(tensor.shape):
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model {target.full_shape}")
+            self.check(weights)
             weights = weights.items()
         self.last_call = time.monotonic()
         written: set[str] = set()
@@ -185,6 +181,15 @@ class WeightUpdater:
                 )
             raise
         self.state.wrote(written)
+
+    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Raises ValueError, naming the tensor, for a name the model has no place for or a full
+        shape that is not the model's: a state dict is refused whole, before anything is written."""
+        params = self.model.parameter_table()
+        for name, tensor in weights.items():
+            target = self.model.weight_target(name, params)
+            if target is not None and target.full_shape != tuple(tensor.shape):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != model {target.full_shape}")
 
     def _receive(self, update_info: Any, receiver: Receiver) -> tuple[set[str], int]:
         info = parse_update_info(update_info, self.config)

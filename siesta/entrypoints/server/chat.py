@@ -26,7 +26,6 @@ from siesta.entrypoints.server.responses import (
     usage,
     weight_version,
     weight_versions,
-    with_routing,
 )
 from siesta.entrypoints.server.sampling_params import chat_params, tokenize_params
 from siesta.entrypoints.server.state import request_id, server_state
@@ -60,7 +59,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params = await asyncio.to_thread(tokenize_params, params, state.llm.tokenizer, state.info.vocab_size)
     except ValueError as e:
         raise sampling_error(e) from None
-    params = with_routing(params, state.info.records_routing)
+    params = params.with_routing(state.info.records_routing)
     if truncate_to is None:  # a conversation to be truncated may be longer than the model takes
         state.prompt_limit.check_text(content_chars(body.messages), "messages")
     prompt = await asyncio.to_thread(

@@ -36,7 +36,6 @@ from siesta.entrypoints.server.responses import (
     usage,
     weight_version,
     weight_versions,
-    with_routing,
 )
 from siesta.entrypoints.server.sampling_params import completion_params, echo_only, tokenize_params
 from siesta.entrypoints.server.state import request_id, server_state
@@ -69,7 +68,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         params = await asyncio.to_thread(tokenize_params, params, state.llm.tokenizer, state.info.vocab_size)
     except ValueError as e:
         raise sampling_error(e) from None
-    params = with_routing(params, state.info.records_routing)
+    params = params.with_routing(state.info.records_routing)
     tokenizer = state.llm.tokenizer
     prompts = await asyncio.to_thread(
         completion_prompts, tokenizer, body.prompt, state.info.vocab_size, state.prompt_limit, truncate_to

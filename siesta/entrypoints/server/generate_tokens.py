@@ -37,7 +37,6 @@ from siesta.entrypoints.server.responses import (
     usage,
     weight_version,
     weight_versions,
-    with_routing,
 )
 from siesta.entrypoints.server.sampling_params import token_id_keys
 from siesta.entrypoints.server.state import REQUEST_ID_HEADER, server_state
@@ -79,7 +78,7 @@ async def generate_tokens(body: TokensGenerateRequest, request: Request) -> Resp
     if body.priority != 0:
         raise APIError(HTTPStatus.BAD_REQUEST, "priority scheduling is not supported by siesta; leave priority at 0",
                        "priority")  # fmt: skip
-    params = with_routing(_sampling_params(body.sampling_params), state.info.records_routing)
+    params = _sampling_params(body.sampling_params).with_routing(state.info.records_routing)
     cache_salt = body.cache_salt if body.cache_salt is not None else _salt_in(body.sampling_params)
     check_fanout(1, params.n, state.config.max_request_fanout)
     prompts = await asyncio.to_thread(

@@ -3,14 +3,12 @@ token texts."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
 from siesta.entrypoints.server.async_llm import Generation
 from siesta.output_processor import RequestState
 from siesta.request import Logprob
-from siesta.sampling import SamplingParams
 
 # JSON has no -inf; vLLM reports impossible tokens at this value.
 LOGPROB_FLOOR = -9999.0
@@ -53,13 +51,6 @@ def routed_experts(state: RequestState) -> dict[str, Any]:
     """vLLM's per-choice ``routed_experts`` (a finished choice's routing, where the engine records
     it; see ``RoutedExperts.npy_base64``), or nothing."""
     return {} if state.routed_experts is None else {"routed_experts": state.routed_experts.npy_base64()}
-
-
-def with_routing(params: SamplingParams, records_routing: bool) -> SamplingParams:
-    """vLLM's rule: an engine that records routing returns it with every answer."""
-    if not records_routing or params.return_routed_experts:
-        return params
-    return dataclasses.replace(params, return_routed_experts=True)
 
 
 def weight_version(generation: Generation) -> str:
