@@ -80,8 +80,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         out[f"decode_b{b}_step_ms"] = decode_step_s(llm, b, args.decode_context, args.decode_steps) * 1e3
     del llm
     llm = LLM(args.model, **(kw | {"kv_transfer_config": None, "max_num_batched_tokens": args.prefill_tokens}))
-    prompt = random_prompts(1, args.prefill_tokens, args.prefill_tokens, vocab, seed=3)[0]
-    for _ in range(2):  # the first compiles
+    for rep in range(2):  # the first compiles; each its own prompt, or the second would hit the prefix cache
+        prompt = random_prompts(1, args.prefill_tokens, args.prefill_tokens, vocab, seed=3 + rep)[0]
         sync()
         t0 = time.perf_counter()
         llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)

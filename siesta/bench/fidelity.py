@@ -29,6 +29,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 
 BUCKETS = ((1, 64), (64, 256), (256, 1024), (1024, 4096), (4096, 8192), (8192, 16384), (16384, 32768))
 REF_CHUNK_ROWS = 2048  # rows of logits a reference takes at a time: [rows, vocab] in fp32
+# Query rows a reference forward attends with at a time, over transformers' own KV cache: in fp32
+# torch's SDPA takes its math kernel, whose score matrix for a whole 32k prompt is 64 GiB.
+REF_FORWARD_ROWS = 2048
 DECODE_TOKENS = 16
 SHORT_PROMPTS = (64, 1024)  # the batch's other prompts: lengths drawn uniformly from this range
 # transformers' rotary buffers: a trainer loading bf16 weights keeps them in fp32 (a whole-model
@@ -60,9 +63,15 @@ def bf16_twin(model: torch.nn.Module, config: PretrainedConfig) -> torch.nn.Modu
 @torch.inference_mode()
 def token_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
     """log p(ids[i + 1] | ids[: i + 1]) for every position i, in float64 from the model's logits."""
+    from transformers import DynamicCache
+
     device = next(model.parameters()).device
     tokens = torch.tensor([ids], device=device)
-    hidden = model.model(tokens).last_hidden_state[0]
+    cache = DynamicCache(config=model.config)
+    parts = [model.model(tokens[:, i : i + REF_FORWARD_ROWS], past_key_values=cache, use_cache=True).last_hidden_state[0]
+             for i in range(0, len(ids), REF_FORWARD_ROWS)]  # fmt: skip
+    hidden = torch.cat(parts)
+    del cache, parts
     targets = tokens[0, 1:]
     out: list[float] = []
     for start in range(0, len(ids) - 1, REF_CHUNK_ROWS):
