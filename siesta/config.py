@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from siesta.attention.kv_quant import AUTO, KV_CACHE_DTYPES, check_kv_cache_dtype
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -106,8 +108,20 @@ class CacheConfig:
     # 4 s a GB, and a fresh engine pays it inside its steps until the pool has gone round once.
     # Off by default: the pool then holds only what it stores. A sleep gives the pages back.
     prefault_kv_cache: bool = False
+    # What the blocks hold (vLLM's --kv-cache-dtype): "auto" the model's dtype; "fp8" (= "fp8_e4m3")
+    # or "fp8_e5m2" one byte a value under per-layer scales, twice the tokens of bf16 in the same
+    # bytes (siesta/attention/kv_quant.py).
+    kv_cache_dtype: str = AUTO
+
+    @property
+    def kv_quantized(self) -> bool:
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype) is not None
 
     def validate(self) -> None:
+        try:
+            check_kv_cache_dtype(self.kv_cache_dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
@@ -372,6 +386,7 @@ class EngineConfig:
         gpu_memory_utilization: float = 0.9,
         enable_prefix_caching: bool = True,
         prefault_kv_cache: bool = False,
+        kv_cache_dtype: str = AUTO,
         seed: int = 0,
         max_num_batched_tokens: int | None = None,
         max_num_seqs: int | None = None,
@@ -401,6 +416,7 @@ class EngineConfig:
                 gpu_memory_utilization=gpu_memory_utilization,
                 enable_prefix_caching=enable_prefix_caching,
                 prefault_kv_cache=prefault_kv_cache,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
@@ -454,6 +470,9 @@ class EngineConfig:
             self.kv_transfer.validate()
         self.weight_transfer.validate()
         self.parallel.validate(self.torch_device())
+        if self.deterministic and self.cache.kv_quantized and self.torch_device().type == "cpu":
+            raise ConfigError(f"deterministic mode on the CPU runs on its fp32 attention kernels, which read no "
+                              f"{self.cache.kv_cache_dtype} KV cache (drop --kv-cache-dtype or --deterministic)")
         if self.deterministic and self.parallel.tensor_parallel_size > 1:
             raise ConfigError("deterministic mode runs on one rank: tensor parallelism's all-reduces sum in an order "
                               "of their own (drop --tensor-parallel-size or --deterministic)")

@@ -59,3 +59,12 @@ def test_bad_values_are_refused_by_name():
         EngineConfig.from_flags(model="random:tiny-llama", device="cpu", head_dtype="int8").validate(64)
     with pytest.raises(cfg.ConfigError, match="cpu threads"):
         EngineConfig.from_flags(model="random:tiny-llama", device="cpu", cpu_threads=0).validate(64)
+    with pytest.raises(cfg.ConfigError, match="kv_cache_dtype='int8' is not supported: use one of auto, fp8"):
+        EngineConfig.from_flags(model="random:tiny-llama", device="cpu", kv_cache_dtype="int8").validate(64)
+
+
+def test_deterministic_mode_on_the_cpu_refuses_an_fp8_kv_cache_and_cuda_takes_it():
+    kw = {"model": "random:tiny-llama", "kv_cache_dtype": "fp8", "deterministic": True}
+    with pytest.raises(cfg.ConfigError, match="deterministic mode on the CPU .* fp8 KV cache"):
+        EngineConfig.from_flags(device="cpu", **kw).validate(64)
+    EngineConfig.from_flags(device="cuda", **kw).validate(64)  # the batch-invariant Triton kernels read fp8

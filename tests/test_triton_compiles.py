@@ -37,7 +37,8 @@ CUDA_CONSTEXPRS = {"MEAN_BY_DIVISION": False, "USE_LIBDEVICE": True}
 TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
-                torch.int64: "i64", torch.bool: "i1", torch.uint8: "u8"}  # fmt: skip
+                torch.int64: "i64", torch.bool: "i1", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv",
+                torch.float8_e5m2: "fp8e5"}  # fmt: skip
 # Llama-3-8B attention: 32 query heads over 8 KV heads of 128.
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
@@ -83,12 +84,12 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return recorded
 
 
-def _batch(specs: list[tuple[int, int]], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def _batch(specs: list[tuple[int, int]], dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """q, k, v, cache and metadata for requests of (cached, new) tokens; contents do not matter."""
     seq_lens = [c + n for c, n in specs]
     blocks = [-(-s // BLOCK) for s in seq_lens]
     num_tokens = sum(n for _, n in specs)
-    cache = KVCache.allocate(sum(blocks), 1, BLOCK, KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"))
+    cache = KVCache.allocate(sum(blocks), 1, BLOCK, KV_HEADS, HEAD_DIM, kv_dtype, torch.device("cpu"))
     tables = torch.zeros(len(specs), max(blocks), dtype=torch.int32)
     starts = [0]
     for _, n in specs:
@@ -108,7 +109,7 @@ def _batch(specs: list[tuple[int, int]], dtype: torch.dtype) -> tuple[torch.Tens
     return q, k, k.clone(), cache, meta
 
 
-def _call_every_kernel(dtype: torch.dtype) -> None:
+def _call_every_attention_kernel(dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     mixed = [(19456, 44), (0, 300), (4000, 1), (700, 1)]
     decode = [(4000, 1), (30000, 1)]
     for backend, specs in (
@@ -118,8 +119,12 @@ def _call_every_kernel(dtype: torch.dtype) -> None:
         (TritonAttention(decode_splits=1), decode),  # decode, unsplit
         (TritonAttention(), decode),  # decode, split + merge
     ):
-        q, k, v, cache, meta = _batch(specs, dtype)
+        q, k, v, cache, meta = _batch(specs, dtype, kv_dtype)
         backend.forward(q, k, v, cache, 0, meta, HEAD_DIM**-0.5)
+
+
+def _call_every_kernel(dtype: torch.dtype) -> None:
+    _call_every_attention_kernel(dtype, dtype)
     x = torch.empty(4, 4096, dtype=dtype)
     w = torch.empty(4096, dtype=dtype)
     triton_ops.rms_norm(x, w, 1e-5)
@@ -154,6 +159,10 @@ COMPILER = textwrap.dedent(
 def test_every_kernel_compiles_for_sm90(launches: list[dict]) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         _call_every_kernel(dtype)
+    # fp8 KV caches: the write kernel quantizes, the attention kernels dequantize in registers.
+    for dtype, kv_dtype in ((torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float8_e4m3fn),
+                            (torch.bfloat16, torch.float8_e5m2)):  # fmt: skip
+        _call_every_attention_kernel(dtype, kv_dtype)
     names = {launch["name"] for launch in launches}
     expected = {"unified_kernel", "prefill_split_kernel", "decode_split_kernel", "reduce_splits_kernel",
                 "_write_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel"}  # fmt: skip

@@ -2,7 +2,8 @@
 
 Layout is block-first: ``cache[block, layer, k_or_v, slot_in_block, kv_head, head_dim]``.
 One block holds every layer's K and V in one contiguous region, so moving a
-block between tiers is a single copy.
+block between tiers is a single copy. Its elements are the model's dtype, or fp8 under one K and
+one V scale per layer (``kv_quant``): the scales are part of what the bytes mean.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Protocol
 
 import numpy as np
 import torch
+
+from siesta.attention.kv_quant import KVScales, format_key, is_quantized
 
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
 
@@ -27,6 +30,15 @@ class KVCache:
     # patterns, which attention must never read in a block's unwritten slots (NaN * 0 is NaN).
     # None: every block is zero or written.
     unset: np.ndarray | None = field(default=None, repr=False)
+    # fp8 caches: the per-layer scales every write divides by and every read multiplies by.
+    scales: KVScales | None = None
+
+    def __post_init__(self) -> None:
+        num_layers = self.tensor.shape[1]
+        if self.quantized and self.scales is None:
+            self.scales = KVScales.default(num_layers)
+        if self.scales is not None and self.scales.num_layers != num_layers:
+            raise ValueError(f"{self.scales.num_layers} layers of KV scales for a cache of {num_layers} layers")
 
     @classmethod
     def allocate(
@@ -40,9 +52,11 @@ class KVCache:
         device: torch.device,
         storage: torch.Tensor | None = None,
         prefault: bool = False,
+        scales: KVScales | None = None,
     ) -> KVCache:
         """A zeroed cache; in ``storage`` (uint8, at least the cache's bytes) when given. On CPU
-        its pages are committed as first written, or all now with ``prefault``."""
+        its pages are committed as first written, or all now with ``prefault``. An fp8 ``dtype``
+        takes ``scales`` (default: 1.0 for every layer)."""
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
         nbytes = num_blocks * cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
         if storage is None and torch.device(device).type == "cpu":
@@ -57,16 +71,34 @@ class KVCache:
             raw = torch.frombuffer(host_map, dtype=torch.uint8)
             if prefault:
                 raw[:: mmap.PAGESIZE].zero_()  # a write per page commits it (the pool is zero already)
-            return cls(raw.view(dtype).view(shape), host_map)
+            return cls(raw.view(dtype).view(shape), host_map, scales=scales)
         if storage is None:
-            return cls(torch.zeros(shape, dtype=dtype, device=device))
+            return cls(torch.zeros(shape, dtype=dtype, device=device), scales=scales)
         tensor = storage[:nbytes].view(dtype).view(shape)
-        tensor.zero_()
-        return cls(tensor)
+        tensor.view(torch.uint8).zero_()  # fp8 has no fill on every device; zero bytes are zeros
+        return cls(tensor, scales=scales)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the blocks hold scaled fp8 values (``layer_scales``) rather than the values."""
+        return is_quantized(self.tensor.dtype)
+
+    def layer_scales(self, layer_idx: int) -> tuple[float, float]:
+        """The K and V scales of ``layer_idx`` (1.0 for a cache that is not quantized)."""
+        return (1.0, 1.0) if self.scales is None else self.scales.layer(layer_idx)
+
+    @property
+    def format_key(self) -> str:
+        """What the blocks' bytes mean (dtype, and the scales' digest for fp8): cache keys carry it."""
+        return format_key(self.tensor.dtype, self.scales)
+
+    def zero_blocks(self, block_ids: torch.Tensor) -> None:
+        """Zero whole blocks, through bytes: fp8 tensors have no index_fill_ on the CPU."""
+        self.tensor.view(torch.uint8).index_fill_(0, block_ids, 0)
 
     @property
     def num_blocks(self) -> int:

@@ -2,6 +2,10 @@
 
 Decode rows (one query each) are attended together in one padded batch; rows with
 longer queries (prefill chunks) are attended one request at a time.
+
+An fp8 cache (``kv_quant``) is quantized as it is written and dequantized as it is read, in the
+query's dtype. A prompt chunk then reads its own K/V back from the cache too, not the values it
+was handed: it attends to exactly what decode will read, so the two agree (vLLM issue 54035).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from siesta.attention.base import AttentionMetadata, KVCache
+from siesta.attention.kv_quant import dequantize, quantize
 
 # Decode rows whose contexts differ by more than this factor are attended in separate groups.
 DECODE_GROUP_SPREAD = 1.25
@@ -24,6 +29,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer_idx: int
     k_cache, v_cache = kv_cache.layer(layer_idx)
     block = slot_mapping // kv_cache.block_size
     offset = slot_mapping % kv_cache.block_size
+    if kv_cache.quantized:
+        k_scale, v_scale = kv_cache.layer_scales(layer_idx)
+        k_cache[block, offset] = quantize(k, k_scale, k_cache.dtype)
+        v_cache[block, offset] = quantize(v, v_scale, v_cache.dtype)
+        return
     k_cache[block, offset] = k.to(k_cache.dtype)
     v_cache[block, offset] = v.to(v_cache.dtype)
 
@@ -73,17 +83,20 @@ class TorchAttention:
 
     def _prefill(self, q, k, v, kv_cache, layer_idx, meta, i, scale) -> torch.Tensor:
         q_len, ctx_len = q.shape[0], meta.seq_lens_cpu[i]
-        if ctx_len == q_len:
+        if ctx_len == q_len and not kv_cache.quantized:
             # No cached prefix: the new K/V are the whole context, no gather needed.
-            ctx_k, ctx_v, mask = k, v, None
+            ctx_k, ctx_v = k, v
         else:
             k_cache, v_cache = kv_cache.layer(layer_idx)
             n_blocks = -(-ctx_len // kv_cache.block_size)
             ids = meta.block_tables[i, :n_blocks]
             ctx_k = gather_context(k_cache, ids, ctx_len)
             ctx_v = gather_context(v_cache, ids, ctx_len)
-            # Query j sits at position ctx_len - q_len + j: causal, aligned to the bottom right.
-            mask = causal_lower_right(q_len, ctx_len)
+            if kv_cache.quantized:  # the chunk's own K/V as decode will read them: written, read back
+                k_scale, v_scale = kv_cache.layer_scales(layer_idx)
+                ctx_k, ctx_v = dequantize(ctx_k, k_scale, q.dtype), dequantize(ctx_v, v_scale, q.dtype)
+        # Query j sits at position ctx_len - q_len + j: causal, aligned to the bottom right.
+        mask = None if ctx_len == q_len else causal_lower_right(q_len, ctx_len)
         # [1, heads, tokens, dim] views; enable_gqa shares each KV head without copying it.
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None].to(ctx_k.dtype),
@@ -101,7 +114,9 @@ class TorchAttention:
         # similar context length (sorted; a new group past the spread or the byte budget).
         rows = sorted(rows, key=lambda i: meta.seq_lens_cpu[i])
         k_cache = kv_cache.layer(layer_idx)[0]
-        token_bytes = 2 * k_cache[0, 0].numel() * k_cache.element_size()  # K and V of one position
+        # K and V of one position, as SDPA reads them (an fp8 cache's dequantized into q's dtype).
+        element_bytes = q.element_size() if kv_cache.quantized else k_cache.element_size()
+        token_bytes = 2 * k_cache[0, 0].numel() * element_bytes
         group: list[int] = []
         for i in rows:
             too_far = group and meta.seq_lens_cpu[i] > DECODE_GROUP_SPREAD * meta.seq_lens_cpu[group[0]]
@@ -124,6 +139,9 @@ class TorchAttention:
         flat = tables.reshape(-1)
         ctx_k = k_cache.index_select(0, flat).view(b, n_blocks * bs, kv_heads, head_dim).transpose(1, 2)
         ctx_v = v_cache.index_select(0, flat).view(b, n_blocks * bs, kv_heads, head_dim).transpose(1, 2)
+        if kv_cache.quantized:
+            k_scale, v_scale = kv_cache.layer_scales(layer_idx)
+            ctx_k, ctx_v = dequantize(ctx_k, k_scale, q.dtype), dequantize(ctx_v, v_scale, q.dtype)
         valid = torch.arange(n_blocks * bs, device=q.device)[None, :] < torch.tensor(lens, device=q.device)[:, None]
         # Query heads that share a KV head become that head's query rows: no K/V copies for GQA.
         tokens = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=q.device)

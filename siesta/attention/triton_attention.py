@@ -24,7 +24,9 @@ no kernel launch waits on the device):
   ``scaled_dot_product_attention`` on CUDA instead (see ``TritonAttention``).
 
 Softmax is online (flash style) in base 2 with fp32 accumulators; the K/V dtype
-sets the matrix-product dtype.
+sets the matrix-product dtype. An fp8 cache (``kv_quant``) is written quantized and read
+dequantized in registers, the products then in the query's dtype; every prompt chunk reads its
+own K/V back from the cache, as decode will (the SDPA route too), so the two agree.
 """
 
 from __future__ import annotations
@@ -39,9 +41,12 @@ import triton
 from siesta.attention import triton_kernels as kernels
 from siesta.attention import triton_tiles as tiling
 from siesta.attention.base import AttentionMetadata, KVCache
+from siesta.attention.kv_quant import dequantize, is_quantized
 from siesta.attention.triton_kv_write import write_kv_triton
 
 LOG2E = math.log2(math.e)
+# The K and V scales of a cache that is not quantized (the kernels ignore them).
+UNIT_SCALES = (1.0, 1.0)
 
 # Mixed batches: decode rows that would get this many splits are worth two extra
 # launches (split kernel + merge); fewer, and the single unified launch wins.
@@ -79,6 +84,11 @@ def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Ten
         BLOCK_D=shapes.block_d,
         PER_TOKEN=per_token,
     )
+
+
+def _compute_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """The matrix products' dtype: the cache's, or the query's over an fp8 cache (dequantized to it)."""
+    return q.dtype if is_quantized(k_cache.dtype) else k_cache.dtype
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -173,7 +183,8 @@ class TritonAttention:
     ) -> torch.Tensor:
         """See ``AttentionBackend.forward``; ``out`` (q's shape) receives the result if given."""
         k_cache, v_cache = kv_cache.layer(layer_idx)
-        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+        scales = kv_cache.layer_scales(layer_idx)
+        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, scales)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if out is None:
@@ -183,12 +194,23 @@ class TritonAttention:
         if meta.num_reqs == 0 or q.shape[0] == 0:
             return out
         if self.uses_sdpa(q, meta):
+            if kv_cache.quantized:  # what decode will read: the chunk as written, dequantized
+                k, v = self._written(k_cache, v_cache, meta.slot_mapping, scales, q.dtype)
             self.sdpa_prefill(q, k, v, meta, scale, out)
         elif meta.is_decode_only:
-            self.decode(q, k_cache, v_cache, meta, scale, out)
+            self.decode(q, k_cache, v_cache, meta, scale, out, scales=scales)
         else:
-            self.mixed(q, k_cache, v_cache, meta, scale, out)
+            self.mixed(q, k_cache, v_cache, meta, scale, out, scales=scales)
         return out
+
+    @staticmethod
+    def _written(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scales: tuple[float, float],
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The K/V the step just wrote at ``slots``, read back from an fp8 cache and dequantized."""
+        page = k_cache.shape[1]
+        block, offset = slots // page, slots % page  # the layer's view is strided: index, never reshape
+        k, v = k_cache[block, offset], v_cache[block, offset]
+        return dequantize(k, scales[0], dtype), dequantize(v, scales[1], dtype)
 
     def uses_sdpa(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether this batch takes the SDPA path: CUDA, fresh prefills only, all long enough."""
@@ -209,15 +231,18 @@ class TritonAttention:
         out: torch.Tensor,
         skip_decode: bool = False,
         decode_as_prefill: bool = False,
+        scales: tuple[float, float] = UNIT_SCALES,
     ) -> None:
         """Any batch in one launch: prefill tiles and decode rows side by side.
 
         ``skip_decode`` leaves decode rows unwritten, for ``decode`` to fill;
         ``decode_as_prefill`` computes them with the prefill tile (deterministic mode).
+        ``scales``: the layer's K and V scales, for an fp8 cache.
         """
         shapes = _shapes(q, k_cache)
-        tiles = tiling.prefill_tiles(shapes.head_dim, k_cache.dtype)
-        decode_tiles = tiling.decode_tiles(shapes.head_dim, k_cache.dtype)
+        dtype = _compute_dtype(q, k_cache)
+        tiles = tiling.prefill_tiles(shapes.head_dim, dtype)
+        decode_tiles = tiling.decode_tiles(shapes.head_dim, dtype)
         block_m = _prefill_block_m(tiles, shapes.group)
         block_q = block_m // shapes.group
         stride_block, stride_slot, stride_head = _cache_strides(k_cache, v_cache)
@@ -231,6 +256,8 @@ class TritonAttention:
             meta.block_tables,
             meta.num_reqs,
             scale * LOG2E,
+            float(scales[0]),
+            float(scales[1]),
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -249,8 +276,9 @@ class TritonAttention:
             DECODE_BLOCK_N=decode_tiles.block_n,
             PAGE_SIZE=k_cache.shape[1],
             SKIP_DECODE=skip_decode,
-            DOT_PRECISION=_dot_precision(k_cache.dtype),
+            DOT_PRECISION=_dot_precision(dtype),
             DECODE_MAX_Q=0 if decode_as_prefill else 1,
+            KV_FP8=is_quantized(k_cache.dtype),
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -263,6 +291,7 @@ class TritonAttention:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor,
+        scales: tuple[float, float] = UNIT_SCALES,
     ) -> None:
         """A batch with prefill rows: one unified launch, unless some rows want splitting.
 
@@ -288,14 +317,14 @@ class TritonAttention:
             # Decode rows first: the per-token merge skips them, so the order is free, and
             # this one lets the tests catch a merge that would clobber them.
             if decode_lens:
-                self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=decode_splits)
-            self.split_prefill(q, k_cache, v_cache, meta, scale, out, prefill_splits)
+                self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=decode_splits, scales=scales)
+            self.split_prefill(q, k_cache, v_cache, meta, scale, out, prefill_splits, scales=scales)
             return
         min_splits = self.mixed_decode_min_splits
         split_decodes = bool(decode_lens) and min_splits is not None and decode_splits >= min_splits
-        self.unified(q, k_cache, v_cache, meta, scale, out, skip_decode=split_decodes)
+        self.unified(q, k_cache, v_cache, meta, scale, out, skip_decode=split_decodes, scales=scales)
         if split_decodes:
-            self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=decode_splits)
+            self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=decode_splits, scales=scales)
 
     def prefill_num_splits(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
         """Key-range splits per prefill tile for this batch (1: the unified kernel serves it)."""
@@ -303,7 +332,7 @@ class TritonAttention:
             return self.prefill_splits
         _, num_q_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
-        block_q = prefill_block_q(head_dim, num_q_heads // num_kv_heads, k_cache.dtype)
+        block_q = prefill_block_q(head_dim, num_q_heads // num_kv_heads, _compute_dtype(q, k_cache))
         starts = meta.query_start_loc_cpu
         q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_reqs)]
         sm_count = tiling.device_sm_count(q.device)
@@ -318,10 +347,12 @@ class TritonAttention:
         scale: float,
         out: torch.Tensor,
         num_splits: int,
+        scales: tuple[float, float] = UNIT_SCALES,
     ) -> None:
         """Prefill rows over ``num_splits`` key ranges per tile, merged per token. Decode rows are skipped."""
         shapes = _shapes(q, k_cache)
-        tiles = tiling.prefill_tiles(shapes.head_dim, k_cache.dtype)
+        dtype = _compute_dtype(q, k_cache)
+        tiles = tiling.prefill_tiles(shapes.head_dim, dtype)
         block_m = _prefill_block_m(tiles, shapes.group)
         num_tokens = meta.query_start_loc_cpu[-1]
         # fp32 partials: the merge must not round what the split kernels accumulated.
@@ -341,6 +372,8 @@ class TritonAttention:
             meta.num_reqs,
             num_splits,
             scale * LOG2E,
+            float(scales[0]),
+            float(scales[1]),
             q.stride(0),
             q.stride(1),
             stride_block,
@@ -355,7 +388,8 @@ class TritonAttention:
             BLOCK_Q=block_q,
             BLOCK_N=tiles.block_n,
             PAGE_SIZE=k_cache.shape[1],
-            DOT_PRECISION=_dot_precision(k_cache.dtype),
+            DOT_PRECISION=_dot_precision(dtype),
+            KV_FP8=is_quantized(k_cache.dtype),
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -375,10 +409,12 @@ class TritonAttention:
         scale: float,
         out: torch.Tensor,
         num_splits: int | None = None,
+        scales: tuple[float, float] = UNIT_SCALES,
     ) -> None:
         """Decode rows (one query each): split-KV, then merge if split. Other rows are skipped."""
         shapes = _shapes(q, k_cache)
-        tiles = tiling.decode_tiles(shapes.head_dim, k_cache.dtype)
+        dtype = _compute_dtype(q, k_cache)
+        tiles = tiling.decode_tiles(shapes.head_dim, dtype)
         if num_splits is None:
             num_splits = self.num_splits(meta.num_reqs, meta.max_seq_len, shapes.num_kv_heads, q.device)
         splits = num_splits
@@ -401,6 +437,8 @@ class TritonAttention:
             meta.block_tables,
             splits,
             scale * LOG2E,
+            float(scales[0]),
+            float(scales[1]),
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -417,7 +455,8 @@ class TritonAttention:
             BLOCK_N=tiles.block_n,
             PAGE_SIZE=k_cache.shape[1],
             WRITE_PARTIALS=write_partials,
-            DOT_PRECISION=_dot_precision(k_cache.dtype),
+            DOT_PRECISION=_dot_precision(dtype),
+            KV_FP8=is_quantized(k_cache.dtype),
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
         )
@@ -466,13 +505,14 @@ class BatchInvariantTritonAttention(TritonAttention):
 
     def forward(self, q, k, v, kv_cache, layer_idx, meta, scale, out=None):
         k_cache, v_cache = kv_cache.layer(layer_idx)
-        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+        scales = kv_cache.layer_scales(layer_idx)
+        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, scales)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if out is None:
             out = torch.empty_like(q)
         if meta.num_reqs and q.shape[0]:
-            self.unified(q, k_cache, v_cache, meta, scale, out, decode_as_prefill=True)
+            self.unified(q, k_cache, v_cache, meta, scale, out, decode_as_prefill=True, scales=scales)
         return out
 
 

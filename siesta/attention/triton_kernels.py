@@ -4,6 +4,9 @@ Shared pieces (``_attend_tile``, ``_decode_range``, ``_prefill_tile``) are
 inlined into four launchable kernels: ``unified_kernel`` (any batch),
 ``prefill_split_kernel`` and ``decode_split_kernel`` (split-KV), and
 ``reduce_splits_kernel`` (the log-sum-exp merge of split partials).
+
+An fp8 cache (``KV_FP8``) is dequantized in registers as each K/V tile is loaded:
+``x.to(fp32) * scale``, then the query's dtype, which the matrix products then run in.
 """
 
 import triton
@@ -76,12 +79,17 @@ def _attend_tile(
     m_i,
     l_i,
     scale_log2,
+    k_scale,
+    v_scale,
     MASK_KEYS: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One online-softmax step over a K/V tile; ``visible`` masks scores when MASK_KEYS."""
     k = _load_tile(k_cache_ptr, offsets, key_mask, d_mask, MASK_KEYS, EVEN_D)
+    if KV_FP8:  # dequantized in registers, into the query's dtype
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASK_KEYS:
         scores = tl.where(visible, scores, float("-inf"))
@@ -94,6 +102,8 @@ def _attend_tile(
     p = tl.exp2(scores * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_cache_ptr, offsets, key_mask, d_mask, MASK_KEYS, EVEN_D)
+    if KV_FP8:
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -115,6 +125,8 @@ def _decode_range(
     key_start,
     key_end,
     scale_log2,
+    k_scale,
+    v_scale,
     stride_q_token,
     stride_q_head,
     stride_block,
@@ -127,6 +139,7 @@ def _decode_range(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Unnormalized attention of one decode token's GROUP heads over keys [key_start, key_end)."""
     offs_h = tl.arange(0, BLOCK_H)
@@ -136,7 +149,8 @@ def _decode_range(
     head_mask = offs_h < GROUP
     q_rows = token.to(tl.int64) * stride_q_token + (kv_head * GROUP + offs_h) * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=head_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not KV_FP8:  # the products run in the cache's dtype; over an fp8 cache, in the query's
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -149,7 +163,7 @@ def _decode_range(
         )
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, key_mask, d_mask, key_mask[None, :],
-            acc, m_i, l_i, scale_log2, True, HEAD_DIM == BLOCK_D, DOT_PRECISION,
+            acc, m_i, l_i, scale_log2, k_scale, v_scale, True, HEAD_DIM == BLOCK_D, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -210,6 +224,8 @@ def _prefill_tile(
     key_lo,
     key_hi,
     scale_log2,
+    k_scale,
+    v_scale,
     stride_q_token,
     stride_q_head,
     stride_block,
@@ -223,6 +239,7 @@ def _prefill_tile(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Unnormalized causal attention of BLOCK_Q query tokens (x GROUP heads) over keys [key_lo, key_hi).
 
@@ -240,7 +257,8 @@ def _prefill_tile(
 
     q_rows = (q_start + q_tok).to(tl.int64) * stride_q_token + q_head * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not KV_FP8:  # the products run in the cache's dtype; over an fp8 cache, in the query's
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -256,7 +274,7 @@ def _prefill_tile(
         )
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, None, d_mask, None,
-            acc, m_i, l_i, scale_log2, False, EVEN_D, DOT_PRECISION,
+            acc, m_i, l_i, scale_log2, k_scale, v_scale, False, EVEN_D, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
     for start in range(tl.maximum(key_lo, unmasked_end), key_hi, BLOCK_N):
         key_pos = start + offs_n
@@ -267,7 +285,7 @@ def _prefill_tile(
         )
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, key_mask, d_mask, visible,
-            acc, m_i, l_i, scale_log2, True, EVEN_D, DOT_PRECISION,
+            acc, m_i, l_i, scale_log2, k_scale, v_scale, True, EVEN_D, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
     return acc, m_i, l_i
 
@@ -303,6 +321,8 @@ def unified_kernel(
     block_tables_ptr,
     num_reqs,
     scale_log2,
+    k_scale,
+    v_scale,
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -323,6 +343,7 @@ def unified_kernel(
     SKIP_DECODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DECODE_MAX_Q: tl.constexpr = 1,
+    KV_FP8: tl.constexpr = False,
 ):
     """Requests of at most ``DECODE_MAX_Q`` tokens take the decode branch; 0 (deterministic mode)
     sends one-token requests through the prefill tile too, so a token's bits are the same
@@ -344,8 +365,8 @@ def unified_kernel(
         if not SKIP_DECODE:
             acc, m_i, l_i = _decode_range(
                 q_ptr, k_cache_ptr, v_cache_ptr, table_row_ptr, q_start, kv_head, 0, seq_len, scale_log2,
-                stride_q_token, stride_q_head, stride_block, stride_slot, stride_head,
-                HEAD_DIM, BLOCK_D, GROUP, DECODE_BLOCK_H, DECODE_BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+                k_scale, v_scale, stride_q_token, stride_q_head, stride_block, stride_slot, stride_head,
+                HEAD_DIM, BLOCK_D, GROUP, DECODE_BLOCK_H, DECODE_BLOCK_N, PAGE_SIZE, DOT_PRECISION, KV_FP8,
             )  # fmt: skip
             _store_heads(out_ptr, q_start, kv_head, _normalize(acc, l_i), stride_o_token, stride_o_head,
                          HEAD_DIM, BLOCK_D, GROUP, DECODE_BLOCK_H)  # fmt: skip
@@ -354,8 +375,8 @@ def unified_kernel(
         _, kv_end = _prefill_span(seq_len, q_len, q_tile, BLOCK_Q)
         tile_acc, _, tile_l = _prefill_tile(
             q_ptr, k_cache_ptr, v_cache_ptr, table_row_ptr, q_start, q_len, seq_len, q_tile, kv_head, 0, kv_end,
-            scale_log2, stride_q_token, stride_q_head, stride_block, stride_slot, stride_head,
-            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+            scale_log2, k_scale, v_scale, stride_q_token, stride_q_head, stride_block, stride_slot, stride_head,
+            HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
         q_tok, q_head, row_valid = _prefill_rows(q_tile, kv_head, q_len, GROUP, BLOCK_M, BLOCK_Q)
         offs_d = tl.arange(0, BLOCK_D)
@@ -380,6 +401,8 @@ def prefill_split_kernel(
     num_reqs,
     num_splits,
     scale_log2,
+    k_scale,
+    v_scale,
     stride_q_token,
     stride_q_head,
     stride_block,
@@ -395,6 +418,7 @@ def prefill_split_kernel(
     BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """One key range of one prefill tile: fp32 partials for ``reduce_splits_kernel`` to merge per token."""
     tile = tl.program_id(0)
@@ -422,8 +446,8 @@ def prefill_split_kernel(
     table_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_table
     acc, m_i, l_i = _prefill_tile(
         q_ptr, k_cache_ptr, v_cache_ptr, table_row_ptr, q_start, q_len, seq_len, q_tile, kv_head, key_lo, key_hi,
-        scale_log2, stride_q_token, stride_q_head, stride_block, stride_slot, stride_head,
-        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+        scale_log2, k_scale, v_scale, stride_q_token, stride_q_head, stride_block, stride_slot, stride_head,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_M, BLOCK_Q, BLOCK_N, PAGE_SIZE, DOT_PRECISION, KV_FP8,
     )  # fmt: skip
     q_tok, q_head, row_valid = _prefill_rows(q_tile, kv_head, q_len, GROUP, BLOCK_M, BLOCK_Q)
     # Partials are [num_tokens, NUM_Q_HEADS, num_splits, HEAD_DIM]; lse drops the last dim.
@@ -444,6 +468,8 @@ def decode_split_kernel(
     block_tables_ptr,
     num_splits,
     scale_log2,
+    k_scale,
+    v_scale,
     stride_q_token,
     stride_q_head,
     stride_o_token,
@@ -461,6 +487,7 @@ def decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -476,8 +503,8 @@ def decode_split_kernel(
     table_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_table
     acc, m_i, l_i = _decode_range(
         q_ptr, k_cache_ptr, v_cache_ptr, table_row_ptr, token, kv_head, key_start, key_end, scale_log2,
-        stride_q_token, stride_q_head, stride_block, stride_slot, stride_head,
-        HEAD_DIM, BLOCK_D, GROUP, BLOCK_H, BLOCK_N, PAGE_SIZE, DOT_PRECISION,
+        k_scale, v_scale, stride_q_token, stride_q_head, stride_block, stride_slot, stride_head,
+        HEAD_DIM, BLOCK_D, GROUP, BLOCK_H, BLOCK_N, PAGE_SIZE, DOT_PRECISION, KV_FP8,
     )  # fmt: skip
     if WRITE_PARTIALS:
         offs_h = tl.arange(0, BLOCK_H)

@@ -4,6 +4,10 @@ One program moves one token: every KV head of its K row and its V row. A token's
 heads sit next to each other in both the source (``[T, kv_heads, head_dim]``) and
 the destination slot (``[kv_heads, head_dim]`` inside a block), so each program
 reads and writes two short contiguous runs.
+
+An fp8 cache stores ``x / scale`` saturated to the format's largest value and rounded to
+nearest, ties to even (``kv_quant``): rounded onto the format's grid by hand in fp32, so the
+cast that follows is exact on every target (the interpreter's own fp32 -> fp8 cast is not).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from siesta.attention.kv_quant import FP8_GRIDS, is_quantized
 
 # One warp per 256 elements: 32 threads x 8 half-precision elements, one 16-byte
 # access each, so a token's heads are spread over just enough warps.
@@ -23,6 +29,44 @@ def row_num_warps(elements: int) -> int:
     return max(1, min(_MAX_WARPS, elements // _ELEMENTS_PER_WARP))
 
 
+# fp32's layout: what the rounding below takes apart.
+_FP32_MANTISSA_BITS = tl.constexpr(23)
+_FP32_MANTISSA_MASK = tl.constexpr((1 << 23) - 1)
+_FP32_IMPLICIT_ONE = tl.constexpr(1 << 23)
+_FP32_ABS_MASK = tl.constexpr(0x7FFFFFFF)
+_FP32_EXPONENT_BIAS = tl.constexpr(127)
+# Dropping more bits than the significand has (24) rounds to zero whatever the shift beyond.
+_MAX_DROPPED_BITS = tl.constexpr(25)
+
+
+@triton.jit
+def round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, MAX_VALUE: tl.constexpr):
+    """fp32 ``x`` saturated to +-MAX_VALUE and rounded to nearest (ties to even) onto the grid of
+    an fp8 format with MANTISSA_BITS and normal exponents from MIN_EXPONENT: a value it holds
+    exactly. Integer arithmetic on the bits, so no compiler setting can change the rounding."""
+    clamped = tl.minimum(tl.maximum(x, -MAX_VALUE), MAX_VALUE)
+    bits = clamped.to(tl.int32, bitcast=True)
+    magnitude = bits & _FP32_ABS_MASK
+    exponent = (magnitude >> _FP32_MANTISSA_BITS) - _FP32_EXPONENT_BIAS
+    # Below the normal range the grid's spacing stays that of MIN_EXPONENT (subnormals).
+    grid_exponent = tl.maximum(exponent, MIN_EXPONENT)
+    drop = tl.minimum(_FP32_MANTISSA_BITS - MANTISSA_BITS + grid_exponent - exponent, _MAX_DROPPED_BITS)
+    significand = (magnitude & _FP32_MANTISSA_MASK) | _FP32_IMPLICIT_ONE
+    # Round half to even: add just under half, plus one when the kept part is odd.
+    kept = (significand + ((1 << (drop - 1)) - 1) + ((significand >> drop) & 1)) >> drop
+    spacing_bits = (grid_exponent - MANTISSA_BITS + _FP32_EXPONENT_BIAS) << _FP32_MANTISSA_BITS
+    spacing = spacing_bits.to(tl.float32, bitcast=True)
+    value = kept.to(tl.float32) * spacing  # exact: a few bits times a power of two
+    value = tl.where(bits < 0, -value, value)
+    return tl.where(x != x, x, value)  # NaN stays NaN
+
+
+@triton.jit
+def _quantize(x, scale, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, MAX_VALUE: tl.constexpr):
+    # div_rn: the correctly rounded division torch makes (Triton's ``/`` may approximate).
+    return round_to_fp8_grid(tl.math.div_rn(x.to(tl.float32), scale), MANTISSA_BITS, MIN_EXPONENT, MAX_VALUE)
+
+
 @triton.jit
 def _write_kv_kernel(
     k_ptr,
@@ -30,6 +74,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale,
+    v_scale,
     stride_k_token,
     stride_k_head,
     stride_v_token,
@@ -42,6 +88,10 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr,
+    MAX_VALUE: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -62,6 +112,9 @@ def _write_kv_kernel(
     dst = slot_base + offs_h[:, None] * stride_cache_head + offs_d[None, :]
     k_row = tl.load(k_src, mask=mask)
     v_row = tl.load(v_src, mask=mask)
+    if QUANTIZE:
+        k_row = _quantize(k_row, k_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_VALUE)
+        v_row = _quantize(v_row, v_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_VALUE)
     tl.store(k_cache_ptr + dst, k_row.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v_row.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -77,11 +130,13 @@ def write_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Store ``k``/``v`` (``[T, kv_heads, head_dim]``) at ``slot_mapping`` in one layer's cache views.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, page_size, kv_heads, head_dim]`` views with
-    identical strides (``KVCache.layer``). Rows whose slot is negative are skipped.
+    identical strides (``KVCache.layer``). Rows whose slot is negative are skipped. An fp8
+    cache stores them quantized under ``scales`` (the layer's K and V scale).
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -95,12 +150,16 @@ def write_kv_triton(
     block_h = triton.next_power_of_2(num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
     num_warps = row_num_warps(block_h * block_d)
+    quantized = is_quantized(k_cache.dtype)
+    grid = FP8_GRIDS[k_cache.dtype] if quantized else FP8_GRIDS[torch.float8_e4m3fn]  # unused unless quantized
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
         k_cache,
         v_cache,
         slot_mapping,
+        float(scales[0]),
+        float(scales[1]),
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -113,5 +172,9 @@ def write_kv_triton(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1],
+        QUANTIZE=quantized,
+        MANTISSA_BITS=grid.mantissa_bits,
+        MIN_EXPONENT=grid.min_exponent,
+        MAX_VALUE=grid.max_value,
         num_warps=num_warps,
     )

@@ -62,7 +62,8 @@ def _llm(args: argparse.Namespace, **kw):
     from siesta import LLM
 
     base = {"dtype": "bfloat16", "max_model_len": args.max_model_len, "device": args.device,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": 256}  # fmt: skip
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": 256,
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto")}  # fmt: skip
     return LLM(args.model, **(base | kw))
 
 
@@ -934,6 +935,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default=None)
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the engines' KV cache: auto, fp8 (= fp8_e4m3), fp8_e5m2")
     ap.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in DIAGNOSTIC_SECTIONS))
     ap.add_argument("--check-prompt-len", type=int, default=512)
     ap.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])

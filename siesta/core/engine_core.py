@@ -224,7 +224,7 @@ class EngineCore(OneCallUpdates):
         self.scheduler.add_request(request)
 
     def _hash_extra(self, cache_salt: str | None) -> bytes:
-        return ExtraKeys(self.source.fingerprint, self.kv_version, cache_salt).encode()
+        return ExtraKeys(self.source.fingerprint, self.kv_version, cache_salt, self.runner.kv_cache.format_key).encode()
 
     def _validate(self, req: EngineCoreRequest) -> Request:
         """The core's request for ``req``, or RequestRejected naming what is wrong with it."""

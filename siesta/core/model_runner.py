@@ -16,6 +16,7 @@ import torch
 
 from siesta import cpu_threads
 from siesta.attention.base import AttentionMetadata, KVCache
+from siesta.attention.kv_quant import KVScales, is_quantized, resolve_kv_dtype
 from siesta.attention.select import get_attention_backend
 from siesta.config import ConfigError, EngineConfig, resolve_dtype
 from siesta.core import staging
@@ -42,6 +43,7 @@ from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
 from siesta.distributed.collectives import broadcast, min_over_ranks
 from siesta.model import batch_invariant, cpu_linear, registry
 from siesta.model.interface import CausalModel
+from siesta.model.kv_scales import source_kv_scales
 from siesta.model.loader import ModelSource
 from siesta.parallel import SINGLE, TensorParallel
 from siesta.request import TOKEN_TYPECODE, EngineCoreOutput, PromptLogprobs, Request
@@ -162,6 +164,8 @@ class ModelRunner:
         self.tp = tp
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.model.dtype, source.checkpoint_dtype, self.device)
+        # What the KV cache's blocks hold: the model's dtype, or fp8 under per-layer scales.
+        self.kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.max_model_len = max_model_len
         self.block_size = config.cache.block_size
         if self.device.type == "cpu":  # before the attention backend, which sizes its work by it
@@ -170,7 +174,8 @@ class ModelRunner:
             logger.info("CPU threads: %d", threads)
         if config.deterministic:
             batch_invariant.enable()  # before the first matmul: cuBLAS reads its workspace setting once
-        self.backend = get_attention_backend(config.attention_backend, self.device, config.deterministic)
+        self.backend = get_attention_backend(config.attention_backend, self.device, config.deterministic,
+                                             kv_quantized=is_quantized(self.kv_dtype))  # fmt: skip
         if self.device.type == "cuda":
             staging.warm_up(self.device)  # pinned and compiled now, not in a step while tier copies run
         else:
@@ -184,6 +189,7 @@ class ModelRunner:
         if config.deterministic and self.device.type == "cpu":
             self._check_deterministic_cpu(source.hf_config)
         self.model = self._build_model(source)
+        self.kv_scales = self._kv_scales(source)
         self.kv_cache = self._allocate_kv_cache()
         self.routed: RoutedExpertsStore | None = None  # the experts tokens took (rank 0, where asked)
         if config.model.enable_return_routed_experts:
@@ -246,9 +252,22 @@ class ModelRunner:
                 raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
         return written
 
+    def _kv_scales(self, source: ModelSource) -> KVScales | None:
+        """An fp8 cache's scales: the checkpoint's (Hugging Face folders), else 1.0 per layer."""
+        if not is_quantized(self.kv_dtype):
+            return None
+        files = getattr(source.checkpoint, "files", None) if source.kind == "hf" else None
+        try:
+            scales = source_kv_scales(files, self.model.kv_layout.num_layers)
+        except ValueError as e:
+            raise ConfigError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype}: {e}") from None
+        logger.info("KV cache: %s, scales from the %s", self.kv_dtype, scales.origin)
+        return scales
+
     def _allocate_kv_cache(self) -> KVCache:
         shape = self.model.kv_layout  # this rank's KV heads only
-        block_bytes = KVCache.bytes_per_block(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype)
+        block_bytes = KVCache.bytes_per_block(shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim,
+                                              self.kv_dtype)  # fmt: skip
         # Every rank holds the same blocks: the one with least room decides (profiles differ a little).
         num_blocks = min_over_ranks(self.tp, max(1, self._kv_cache_bytes() // block_bytes), self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size, num_blocks * block_bytes / 2**20)
@@ -259,8 +278,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         prefault = self.config.cache.prefault_kv_cache and storage is None and self.device.type == "cpu"
         cache = KVCache.allocate(
-            num_blocks, shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.dtype, self.device,
-            storage=storage, prefault=prefault,
+            num_blocks, shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim, self.kv_dtype,
+            self.device, storage=storage, prefault=prefault, scales=self.kv_scales,
         )
         if prefault:
             logger.info("KV cache pages written at start-up in %.1f s", time.perf_counter() - t0)
@@ -325,7 +344,7 @@ class ModelRunner:
         shape = self.model.kv_layout
         scratch = KVCache.allocate(
             -(-n // self.block_size), shape.num_layers, self.block_size, shape.num_kv_heads, shape.head_dim,
-            self.dtype, self.device,
+            self.kv_dtype, self.device, scales=self.kv_scales,
         )
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -589,7 +608,7 @@ class ModelRunner:
         moved = to_device_many([torch.from_numpy(h) for h in host], self.device)
         if plan.zero_blocks is not None:
             # On the compute stream, before the forward writes or reads them.
-            self.kv_cache.tensor.index_fill_(0, moved.pop(), 0)
+            self.kv_cache.zero_blocks(moved.pop())
         starts_d, seq_lens_d, tables_d, slots_d, ids_d, pos_d, rows_d, at_d, from_d = moved[:9]
         prompt = None if plan.prompt is None else PromptRows(*moved[9:], *plan.prompt[2:])
         if plan.num_unseen:

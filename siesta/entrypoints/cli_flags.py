@@ -13,13 +13,14 @@ import re
 import sys
 from pathlib import Path
 
+from siesta.attention.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
+
 # K, M, G, T alone or with "i" are binary (1G = 2**30, as vLLM's size flags read them); with a
 # plain "B" they are decimal (1GB = 10**9). A bare number is bytes.
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mi": 1 << 20,
           "mib": 1 << 20, "mb": 10**6, "g": 1 << 30, "gi": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40,
           "ti": 1 << 40, "tib": 1 << 40, "tb": 10**12}  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-KV_CACHE_DTYPES = ("auto",)  # the model's dtype; fp8 caches are not built
 GENERATION_CONFIGS = ("vllm",)  # vLLM's own sampling defaults, which siesta uses
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -40,7 +41,9 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                    default=True, help="vLLM's; on by default (--no-enable-prefix-caching turns it off)")  # fmt: skip
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks (one process and one GPU each) that split every layer")  # fmt: skip
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) is the one siesta has")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help=f"{', '.join(KV_CACHE_DTYPES)}: auto is the model's dtype; fp8 (= fp8_e4m3) and "
+                        "fp8_e5m2 hold a byte a value under per-layer scales (the checkpoint's, else 1.0)")  # fmt: skip
     p.add_argument("--disable-log-requests", action="store_true",
                    help="vLLM's; siesta logs no per-request lines in any case")  # fmt: skip
     p.add_argument("--disable-log-stats", action="store_true",
@@ -55,9 +58,10 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
     """Refuse, by name and with the reason, what siesta understands but cannot do."""
     if getattr(args, "tensor_parallel_size", 1) < 1:
         raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: give 1 or more ranks")
-    if getattr(args, "kv_cache_dtype", "auto") not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: only auto (the model's dtype) is supported; "
-                         "siesta has no fp8 KV cache")  # fmt: skip
+    try:
+        check_kv_cache_dtype(getattr(args, "kv_cache_dtype", "auto"))
+    except ValueError as e:
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: {e}") from None
     if getattr(args, "generation_config", "vllm") not in GENERATION_CONFIGS:
         raise ValueError(f"--generation-config {args.generation_config}: siesta does not read a model's "
                          "generation_config.json defaults yet; use vllm (vLLM's own defaults)")  # fmt: skip

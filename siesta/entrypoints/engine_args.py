@@ -60,7 +60,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "enable_prefix_caching", "prefault_kv_cache", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill",
             "async_scheduling", "max_waiting_requests", "kv_transfer_config", "weight_transfer_config", "device", "seed", "enforce_eager", "attention_backend",
             "tensor_parallel_size", "cpu_threads", "head_dtype", "deterministic",
-            "enable_return_routed_experts"]  # fmt: skip
+            "enable_return_routed_experts", "kv_cache_dtype"]  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
 

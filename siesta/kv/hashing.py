@@ -1,8 +1,9 @@
 """Chained keys for full KV blocks.
 
 A block's key covers its parent's key, its token ids and the extra keys (model
-fingerprint, weight version, cache salt), so equal keys mean equal KV. Keys are
-stable across processes: the disk tier reuses them after a restart.
+fingerprint, weight version, cache salt, and what the KV cache's bytes mean: its dtype and,
+for fp8, its scales), so equal keys mean equal KV. Keys are stable across processes: the disk
+tier reuses them after a restart.
 """
 
 from __future__ import annotations
@@ -27,10 +28,14 @@ class ExtraKeys:
     model_fingerprint: str
     weight_version: str
     cache_salt: str | None = None
+    # The KV cache's format (``KVCache.format_key``: "bfloat16", "float8_e4m3fn:<scales digest>"),
+    # so that no tier ever hands one format's bytes to an engine of another. "" leaves it out.
+    kv_format: str = ""
 
     def encode(self) -> bytes:
         salt = "" if self.cache_salt is None else self.cache_salt
-        return f"{self.model_fingerprint}\x00{self.weight_version}\x00{salt}".encode()
+        kv_format = f"\x00kv={self.kv_format}" if self.kv_format else ""
+        return f"{self.model_fingerprint}\x00{self.weight_version}\x00{salt}{kv_format}".encode()
 
 
 # Each token id is hashed as 8 little-endian bytes: the request's own array (int64) as it is.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+from siesta.model.kv_scales import is_kv_scale_name
 from siesta.model.weights import CheckpointPart
 
 # Checkpoint names seen by weight pushes (every push repeats the model's few hundred).
@@ -20,6 +21,8 @@ def map_checkpoint_name(name: str) -> CheckpointPart | None:
     """HF name -> the parameter it lands in (and the part of a fused one); None for tensors the
     model does not keep."""
     if any(skipped in name for skipped in SKIPPED):
+        return None
+    if is_kv_scale_name(name):  # read by the KV cache (fp8), not a parameter: model/kv_scales.py
         return None
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in SHARDS:

@@ -204,7 +204,9 @@ class OffloadingConnector(KVConnector):
         if self.disk is None or self.host.contains(key) or not self.disk.contains(key):
             return None  # a host entry not ready yet: a store of it is on its way in
         data = self.disk.read(key)
-        if data is None:
+        if data is None or len(data) != self.host.entry_bytes:
+            # Another layout's entry (another entry size, say): keys carry the KV format and the
+            # weights, not every layout choice, and a mismatched copy must miss, not raise.
             return None
         entry = self.host.reserve(key, self.ctx.weight_version, parent)
         if entry is None:

@@ -65,7 +65,7 @@ def test_sizes_take_units(size, expected):
     ("flags", "named"),
     [
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size 0"),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8"),
+        (["--kv-cache-dtype", "fp8_inc"], "--kv-cache-dtype fp8_inc"),
         (["--generation-config", "auto"], "--generation-config auto"),
         (["--tokenizer", "/nonexistent"], "--tokenizer /nonexistent"),
         (["--kv-cache-bytes", "1X"], "--kv-cache-bytes"),
@@ -73,6 +73,16 @@ def test_sizes_take_units(size, expected):
 )
 def test_what_cannot_be_honoured_is_refused_by_name(flags, named, capsys):
     assert named in _refusal(["serve", *flags], capsys)
+
+
+@pytest.mark.parametrize("name", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_the_kv_cache_dtypes_vllm_and_sglang_name_reach_the_config(name):
+    assert _config(["serve", "--kv-cache-dtype", name]).cache.kv_cache_dtype == name
+
+
+def test_an_unsupported_kv_cache_dtype_is_refused_saying_what_is_accepted(capsys):
+    err = _refusal(["serve", "--kv-cache-dtype", "int8"], capsys)
+    assert "--kv-cache-dtype int8" in err and "fp8_e4m3" in err and "auto" in err
 
 
 def test_tensor_parallel_size_reaches_the_config():
