@@ -25,7 +25,7 @@ from siesta.core.device_memory import ArenaMemory, SleepableMemory
 from siesta.core.host_backup import CAPTURE_LOCK
 from siesta.core.piecewise_graphs import BUCKETS as PIECEWISE_BUCKETS
 from siesta.core.piecewise_graphs import PiecewiseGraphs
-from siesta.core.routed_experts import PendingRouting, RoutedExpertsStore, RoutedRows, id_dtype
+from siesta.core.routed_experts import PendingRouting, RoutedExpertsStore, RoutedRows, id_dtype, tier_blocks
 from siesta.core.routed_experts import refusal as routed_experts_refusal
 from siesta.core.sampler import (
     PendingSamples,
@@ -296,7 +296,8 @@ class ModelRunner:
         rows = max(sched.max_num_batched_tokens, sched.max_num_seqs, next(
             (b for b in PIECEWISE_BUCKETS if b >= sched.max_num_batched_tokens), PIECEWISE_BUCKETS[-1]))  # fmt: skip
         sink.allocate(rows, self.device, id_dtype(sink.layout.num_experts))
-        self.routed = RoutedExpertsStore(self.kv_cache.num_blocks, self.block_size, sink.layout)
+        archive = tier_blocks(self.config.kv_transfer, self.kv_cache.block_bytes)
+        self.routed = RoutedExpertsStore(self.kv_cache.num_blocks, self.block_size, sink.layout, archive)
 
     def routed_experts_refusal(self, params: SamplingParams, prompt_len: int) -> str | None:
         """Why a request's ``return_routed_experts`` cannot be honoured here, or None."""

@@ -8,8 +8,12 @@ last sampled token is never computed), each ``[num_layers, top_k]`` expert ids i
 another request: so, as in SGLang, the ids live beside the KV, in a host table of every device
 block's rows, written by the forward that wrote the block's KV. A block's ids serve a request if
 that request computed them itself, or if they were computed for the same content (the block's
-key, which carries the weight version, equals the request's). A block loaded from the host or
-disk tier was written by no forward here: its rows read -1 (the tiers do not carry routing).
+key, which carries the weight version, equals the request's). The tiers keep KV across sleep,
+and the routing that computed it stays beside them: every full block's rows, once its key is
+known, go into a host archive keyed by that key (least recently archived first out, as many
+blocks as the tiers hold; 48 layers x 8 ids is 0.4 % of a 30B-A3B block's KV), so a prompt
+loaded from a tier after a sleep(keep) gets the ids its KV was computed with. Only a disk entry
+read by another process (after a restart) has none: its rows read -1.
 
 Nothing of this exists unless the engine runs with ``enable_return_routed_experts``: the sparse
 layers then write their ids into a device buffer (``RoutingSink``, fixed in size so CUDA graphs
@@ -20,7 +24,10 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,8 +58,11 @@ class RoutedRows:
 class RoutedExpertsStore:
     """Every device block's routing rows on the host, and who computed them."""
 
-    def __init__(self, num_blocks: int, block_size: int, layout: RoutingLayout) -> None:
+    def __init__(self, num_blocks: int, block_size: int, layout: RoutingLayout, archive_blocks: int = 0) -> None:
         self.layout, self.block_size = layout, block_size
+        # Full blocks' rows by block key, for KV a tier loads back (see the module's docstring).
+        self.archive: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self.archive_blocks = archive_blocks
         self.dtype = id_dtype(layout.num_experts)
         shape = (num_blocks, block_size, layout.num_layers, layout.top_k)
         self.rows = np.full(shape, -1, dtype=np.int8 if self.dtype == torch.int8 else np.int16)
@@ -89,8 +99,17 @@ class RoutedExpertsStore:
             if j < len(request.block_hashes):
                 self.key[block] = request.block_hashes[j]
                 del self._pending[block]
+                self._archive(request.block_hashes[j], self.rows[block])
             elif request.status.finished:  # never hashed (a request that ended first): own rows only
                 del self._pending[block]
+
+    def _archive(self, key: bytes, rows: np.ndarray) -> None:
+        if self.archive_blocks <= 0:
+            return
+        self.archive[key] = rows.copy()
+        self.archive.move_to_end(key)
+        while len(self.archive) > self.archive_blocks:
+            self.archive.popitem(last=False)
 
     def gather(self, request: Request, block_ids: list[int]) -> RoutedExperts:
         """The request's ids for tokens ``[start, num_tokens - 1)``; -1 in rows no forward here
@@ -105,11 +124,38 @@ class RoutedExpertsStore:
             block = block_ids[j]
             mine = self.writer[block] == own
             same = self.key[block] is not None and j < len(request.block_hashes) and self.key[block] == request.block_hashes[j]
-            if mine or same:
+            rows = self.rows[block] if mine or same else self._archived(request, j)
+            if rows is not None:
                 lo, hi = max(start, j * bs), min(end, (j + 1) * bs)
-                out[lo - start : hi - start] = self.rows[block, lo - j * bs : hi - j * bs]
+                out[lo - start : hi - start] = rows[lo - j * bs : hi - j * bs]
         return RoutedExperts(start=start, num_layers=layout.num_layers, top_k=layout.top_k,
                              dtype=str(out.dtype), data=out.tobytes())  # fmt: skip
+
+
+    def _archived(self, request: Request, j: int) -> np.ndarray | None:
+        """The rows that computed the request's block ``j``'s KV, where a tier brought the KV back."""
+        return self.archive.get(request.block_hashes[j]) if j < len(request.block_hashes) else None
+
+
+def tier_blocks(kv_transfer: Any, block_bytes: int) -> int:
+    """How many blocks the configured tiers can hold (host and disk, every connector's): the
+    routing archive keeps as many. Zero without tiers."""
+    if kv_transfer is None or block_bytes <= 0:
+        return 0
+    return sum(_tier_bytes(kv_transfer.kv_connector_extra_config)) // block_bytes
+
+
+def _tier_bytes(extra: Any) -> Iterable[int]:
+    """Every ``cpu_bytes_to_use`` / ``disk_bytes_to_use`` in a connector's config, its children's too."""
+    if isinstance(extra, dict):
+        for key, value in extra.items():
+            if key in ("cpu_bytes_to_use", "disk_bytes_to_use") and isinstance(value, int):
+                yield value
+            else:
+                yield from _tier_bytes(value)
+    elif isinstance(extra, list):
+        for item in extra:
+            yield from _tier_bytes(item)
 
 
 class PendingRouting:
