@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from siesta.bench import fp8 as fp8_bench
 from siesta.bench import moe as moe_bench
 from siesta.bench.common import print_table, random_prompts
 from siesta.bench.fidelity import summary_rows as fidelity_rows
@@ -58,7 +59,7 @@ def _section(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]
         torch.cuda.empty_cache()
 
 
-def _llm(args: argparse.Namespace, **kw):
+def make_llm(args: argparse.Namespace, **kw):
     from siesta import LLM
 
     base = {"dtype": "bfloat16", "max_model_len": args.max_model_len, "device": args.device,
@@ -75,7 +76,7 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
 
     from siesta import SamplingParams
 
-    llm = _llm(args, kv_cache_bytes=4 << 30)
+    llm = make_llm(args, kv_cache_bytes=4 << 30)
     source = llm.engine.source
     dev = llm.engine.runner.device
     # Built on the device itself: ``to_empty`` from meta would leave the rotary buffers unset.
@@ -129,7 +130,7 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
     # The engine's defaults (async scheduling on CUDA), then without async scheduling, then eager.
     arms = {"graphs": {}, "graphs_sync": {"async_scheduling": False}, "eager": {"enforce_eager": True}}
     for arm, kw in arms.items():
-        llm = _llm(args, gpu_memory_utilization=0.85, **kw)
+        llm = make_llm(args, gpu_memory_utilization=0.85, **kw)
         shape = llm.engine.runner.model.shape
         weight_bytes = llm.engine.memory.weight_bytes
         kv_per_token = llm.engine.runner.kv_cache.block_bytes // llm.config.cache.block_size
@@ -162,7 +163,7 @@ def prefill(args: argparse.Namespace) -> dict[str, Any]:
     from siesta import SamplingParams
 
     res: dict[str, Any] = {}
-    llm = _llm(args, max_num_batched_tokens=max(args.prefill_lens), gpu_memory_utilization=0.85)
+    llm = make_llm(args, max_num_batched_tokens=max(args.prefill_lens), gpu_memory_utilization=0.85)
     shape = llm.engine.runner.model.shape
     params = sum(p.numel() for n, p in llm.engine.runner.model.named_parameters() if "embed" not in n)
     vocab = llm.engine.vocab_size
@@ -249,7 +250,7 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
     if args.load_window_mib is not None:
         tier["kv_connector_extra_config"]["load_window_bytes"] = args.load_window_mib << 20
     t0 = time.perf_counter()
-    llm = _llm(args, kv_transfer_config=tier, gpu_memory_utilization=0.9)
+    llm = make_llm(args, kv_transfer_config=tier, gpu_memory_utilization=0.9)
     init_s = time.perf_counter() - t0
     vocab = llm.engine.vocab_size
     kv_per_token = llm.engine.runner.kv_cache.block_bytes // llm.config.cache.block_size
@@ -420,7 +421,7 @@ def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
 
     tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": {"block_size": args.tier_block_size, "cpu_bytes_to_use": args.tier_bytes}}  # fmt: skip
-    llm = _llm(args, kv_transfer_config=tier, gpu_memory_utilization=0.9)
+    llm = make_llm(args, kv_transfer_config=tier, gpu_memory_utilization=0.9)
     eng, runner = llm.engine, llm.engine.runner
     cuda = torch.cuda.is_available()
     res: dict[str, Any] = {}
@@ -468,7 +469,7 @@ def decode_trace(args: argparse.Namespace) -> dict[str, Any]:
 
     res: dict[str, Any] = {}
     for arm, run_ahead in (("sync", False), ("async", True)):
-        llm = _llm(args, gpu_memory_utilization=0.85, async_scheduling=run_ahead)
+        llm = make_llm(args, gpu_memory_utilization=0.85, async_scheduling=run_ahead)
         eng, runner = llm.engine, llm.engine.runner
         for b in (1, 64):
             timer = PhaseTimer()
@@ -593,7 +594,7 @@ def transfers(args: argparse.Namespace) -> dict[str, Any]:
     """Host-tier store and load rates: the copier's own path, one DMA per device block."""
     from siesta.tiers.transfer import BlockCopier
 
-    llm = _llm(args, kv_cache_bytes=16 << 30)
+    llm = make_llm(args, kv_cache_bytes=16 << 30)
     kv = llm.engine.runner.kv_cache
     n = min(kv.num_blocks, args.transfer_blocks)
     host = torch.empty((n, *kv.tensor.shape[1:]), dtype=kv.tensor.dtype, pin_memory=True)
@@ -627,7 +628,7 @@ def store_overlap(args: argparse.Namespace) -> dict[str, Any]:
     from siesta.tiers.offloading import DEFAULT_STORE_WINDOW_BYTES
     from siesta.tiers.transfer import BlockCopier
 
-    llm = _llm(args, gpu_memory_utilization=0.85)
+    llm = make_llm(args, gpu_memory_utilization=0.85)
     kv = llm.engine.runner.kv_cache
     copier = BlockCopier(kv.tensor.device)
     batch, steps = args.overlap_batch, args.decode_steps
@@ -695,7 +696,7 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, Any]:
     from siesta import SamplingParams
     from siesta.core.sampler import SamplingRow
 
-    llm = _llm(args, gpu_memory_utilization=0.85)
+    llm = make_llm(args, gpu_memory_utilization=0.85)
     runner = llm.engine.runner
     greedy = SamplingRow(params=SamplingParams(temperature=0), generator=None, prompt_token_ids=[],
                          output_token_ids=[], banned_token_ids=[])  # fmt: skip
@@ -742,7 +743,7 @@ def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
     decode rows), eager against the engine's path (piecewise CUDA graphs). Wall ms per
     forward against the device's busy ms (the rest is launch overhead on the host), kernel
     launches, the costliest kernels, and how far the two paths' hidden states differ."""
-    llm = _llm(args, gpu_memory_utilization=0.85)
+    llm = make_llm(args, gpu_memory_utilization=0.85)
     runner = llm.engine.runner
     extend = args.resume_tokens % args.tier_block_size or args.tier_block_size
     prefix = args.resume_tokens - extend
@@ -776,7 +777,7 @@ def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
-    llm = _llm(args, gpu_memory_utilization=0.85)
+    llm = make_llm(args, gpu_memory_utilization=0.85)
     # The pinned backup is made in the background from start-up on; an RL loop generates for
     # longer than that before it first sleeps. How long it took after start-up is reported.
     backup = llm.engine.memory.backup
@@ -837,6 +838,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "decode_kernels": decode_kernels,
     "tensor_parallel": tensor_parallel,
     "moe": lambda args: moe_bench.run(args),
+    "fp8": lambda args: fp8_bench.run(args),
 }
 # Run by name only: diagnostics; resume_http, which runs the resume section again beside the
 # server; tensor_parallel, which needs a host with several GPUs.
@@ -921,6 +923,8 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
                  f"{get('sleep_wake', 'weights_GB_s_wake', default=0) or 0:.1f}", "goal >= 40"])  # fmt: skip
     if isinstance(results.get("weight_transfer"), dict):
         rows.extend(weight_transfer_rows(results["weight_transfer"]))  # ipc push, first push, RL step, nccl
+    if isinstance(results.get("fp8"), dict):
+        rows.extend(fp8_bench.summary_rows(results["fp8"]))
     if isinstance(results.get("moe"), dict):
         rows.extend(moe_bench.summary_rows(results["moe"]))
     if "tensor_parallel" in results:
@@ -971,6 +975,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tensor_parallel: the models, each at every size that fits")
     ap.add_argument("--tp-dtype", default="bfloat16", help="tensor_parallel: the weights' dtype")
     ap.add_argument("--tp-cpu-kv-cache-bytes", type=int, default=64 << 20, help="tensor_parallel on the CPU: KV bytes")
+    ap.add_argument("--fp8-parts", type=lambda s: s.split(","), default=["capacity", "resume", "seed_client", "accuracy"],
+                    help="fp8: what runs (each part fp8 against the model's dtype)")
+    ap.add_argument("--fp8-long-context", type=int, default=8192, help="fp8: batch 64's decode context")
+    ap.add_argument("--fp8-b256-context", type=int, default=2048, help="fp8: batch 256's (what both dtypes hold)")
+    ap.add_argument("--fp8-check-shape", default="llama-3-8b", help="fp8: the accuracy check's shape")
+    ap.add_argument("--fp8-check-layers", type=int, default=4, help="fp8: its layers")
     ap.add_argument("--moe-model", default="random:qwen3-30b-a3b", help="moe: the mixture-of-experts model")
     ap.add_argument("--moe-prefill-tokens", type=int, default=8192)
     ap.add_argument("--moe-check-shape", default="qwen3-30b-a3b", help="moe: the shape of the fidelity check")
