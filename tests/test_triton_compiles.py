@@ -29,9 +29,10 @@ if not os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
 
 from siesta.attention.base import AttentionMetadata, KVCache  # noqa: E402
 from siesta.attention.triton_attention import TritonAttention  # noqa: E402
-from siesta.model import triton_ops  # noqa: E402
+from siesta.model import triton_matmul, triton_ops  # noqa: E402
 
-KERNEL_MODULES = ("siesta.attention.triton_kernels", "siesta.attention.triton_kv_write", "siesta.model.triton_ops")
+KERNEL_MODULES = ("siesta.attention.triton_kernels", "siesta.attention.triton_kv_write", "siesta.model.triton_ops",
+                  "siesta.model.triton_matmul")  # fmt: skip
 # Host choices that differ on CUDA from a CPU call: compile what the GPU runs.
 CUDA_CONSTEXPRS = {"MEAN_BY_DIVISION": False, "USE_LIBDEVICE": True}
 TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size
@@ -134,6 +135,10 @@ def _call_every_kernel(dtype: torch.dtype) -> None:
     cos = torch.empty(64, HEAD_DIM, dtype=torch.float32)
     triton_ops.apply_rope(torch.empty(4, HEADS, HEAD_DIM, dtype=dtype), torch.empty(4, KV_HEADS, HEAD_DIM, dtype=dtype),
                           torch.zeros(4, dtype=torch.int64), cos, cos.clone())  # fmt: skip
+    # Deterministic mode's GEMM: K a multiple of the chunk without bias (o_proj), and neither (a ragged K, q/k/v bias).
+    triton_matmul.matmul(torch.empty(4, 4096, dtype=dtype), torch.empty(4096, 4096, dtype=dtype))
+    ragged = torch.empty(300, 1000, dtype=dtype)
+    triton_matmul.matmul(torch.empty(4, 1000, dtype=dtype), ragged, torch.empty(300, dtype=dtype))
 
 
 COMPILER = textwrap.dedent(
@@ -165,7 +170,8 @@ def test_every_kernel_compiles_for_sm90(launches: list[dict]) -> None:
         _call_every_attention_kernel(dtype, kv_dtype)
     names = {launch["name"] for launch in launches}
     expected = {"unified_kernel", "prefill_split_kernel", "decode_split_kernel", "reduce_splits_kernel",
-                "_write_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel"}  # fmt: skip
+                "_write_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel",
+                "_matmul_kernel"}  # fmt: skip
     assert expected <= names, f"not launched: {expected - names}"
     unique = list({json.dumps(launch, sort_keys=True): launch for launch in launches}.values())
     env = os.environ | {"TRITON_INTERPRET": "0"}

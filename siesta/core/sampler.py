@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from siesta.core.staging import HostCopy, to_device, to_device_many
+from siesta.model import batch_invariant
 from siesta.request import PromptLogprobs
 from siesta.sampling import SamplingParams
 
@@ -303,7 +304,8 @@ def _apply_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     top_p = _column([params[i].top_p for i in chosen], logits.device)
     every_row = len(chosen) == len(params)
     subset = logits if every_row else logits[index]
-    keep = _top_p_keep(subset.softmax(dim=-1), top_p, _top_k_bound([params[i] for i in chosen], logits.shape[1]))
+    probs = batch_invariant.softmax(subset)
+    keep = _top_p_keep(probs, top_p, _top_k_bound([params[i] for i in chosen], logits.shape[1]))
     subset.masked_fill_(~keep, NEG_INF)
     if not every_row:
         logits.index_copy_(0, index, subset)
@@ -370,7 +372,7 @@ class _RawLogprobs:
             return None
         index = _device_tensor(wanted, torch.int64, logits.device)
         selected = logits if len(wanted) == len(rows) else logits[index]
-        return cls(wanted, index, selected.log_softmax(dim=-1))
+        return cls(wanted, index, batch_invariant.log_softmax(selected))
 
     def scale(self, processed: torch.Tensor, rows: list[SamplingRow]) -> None:
         """Rows with ``scaled_logprobs`` report the distribution they sample from instead:
@@ -381,7 +383,7 @@ class _RawLogprobs:
         at = _device_tensor(scaled, torch.int64, processed.device)
         source = _device_tensor([self.rows[j] for j in scaled], torch.int64, processed.device)
         temperature = _column([rows[self.rows[j]].params.temperature for j in scaled], processed.device)
-        self.logprobs.index_copy_(0, at, (processed[source] / temperature).log_softmax(dim=-1))
+        self.logprobs.index_copy_(0, at, batch_invariant.log_softmax(processed[source] / temperature))
 
 
 def _ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -395,7 +397,7 @@ def score_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Under log_softmax of the raw logits: each row's token's logprob and rank, and the
     row's ``top_n`` (ids, values), highest first."""
-    logprobs = logits.float().log_softmax(dim=-1)
+    logprobs = batch_invariant.log_softmax(logits.float())
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     top_values, top_ids = logprobs.topk(top_n, dim=-1)
     return chosen.squeeze(1), _ranks(logprobs, chosen), top_ids, top_values

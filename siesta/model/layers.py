@@ -121,7 +121,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``; on the CPU a decode step's few fp32 rows go through a compiled kernel,
-    on CUDA a single half-precision row through the Triton GEMV."""
+    on CUDA a single half-precision row through the Triton GEMV, and in deterministic mode every
+    product through the batch-invariant Triton GEMM (``triton_matmul``)."""
+    # The flag first: the default mode pays one read for the check.
+    if batch_invariant.enabled() and use_invariant_matmul(x.device, _wants_grad(x, weight)):
+        return _triton_matmul().linear(x, weight, bias)
     if not x.is_cuda:
         out = _cpu_linear().linear(x, weight, bias)
         if out is not None:
@@ -129,6 +133,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     elif _takes_gemv(x, weight):
         return _triton_gemv().gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def use_invariant_matmul(device: torch.device, wants_grad: bool = False) -> bool:
+    """Whether a linear on ``device`` takes the batch-invariant GEMM: deterministic mode on CUDA,
+    where cuBLAS picks its kernel (and so a row's reduction order) by the row count. The CPU's
+    deterministic mode has its own kernel (``cpu_linear``: ``cpu_gemm.c``). A product that needs a
+    backward stays with torch: the kernel has none, and serving never asks for one."""
+    return batch_invariant.enabled() and device.type == "cuda" and not wants_grad
+
+
+def _wants_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)
 
 
 # Rows the Triton GEMV serves. H200, Llama-3-8B shapes, bf16 (``python -m siesta.bench.gemv``):
@@ -139,10 +155,10 @@ _HALF_TYPES = (torch.float16, torch.bfloat16)
 
 
 def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+    if _wants_grad(x, weight):
         return False  # the kernel's output has no backward
     if batch_invariant.enabled():
-        return False  # one row through it, more through cuBLAS: two reduction orders
+        return False  # one row through it, more through another kernel: two reduction orders
     return (
         x.dim() == 2
         and x.shape[0] <= GEMV_ROWS
@@ -158,6 +174,13 @@ def _triton_gemv():
     from siesta.model import triton_gemv
 
     return triton_gemv
+
+
+def _triton_matmul():
+    # Imported on first use in deterministic mode on CUDA, as ``_triton_ops``.
+    from siesta.model import triton_matmul
+
+    return triton_matmul
 
 
 class Linear(nn.Linear):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from siesta.model import batch_invariant
 from siesta.model.interface import RoutingSink
 from siesta.model.layers import linear, silu_and_mul
 from siesta.parallel import TensorParallel
@@ -91,10 +92,25 @@ def experts_reference(
 
 
 def weighted_sum(pair_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``[T * k, H]`` expert outputs -> ``[T, H]``, each token's k outputs weighted and summed in
-    k order (a fixed order: a row's sum does not depend on its batch)."""
+    """``[T * k, H]`` expert outputs -> ``[T, H]``, each token's k outputs weighted and summed
+    (``sum_over_k``)."""
     t, k = weights.shape
-    return (pair_out.view(t, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+    return sum_over_k(pair_out.view(t, k, -1) * weights.unsqueeze(-1))
+
+
+def sum_over_k(per_pair: torch.Tensor) -> torch.Tensor:
+    """``[T, k, H]`` -> ``[T, H]``: each token's k rows summed, in fp32, rounded once.
+
+    Default mode: torch's sum, whose order is fixed by k and the tensor's layout but chosen
+    inside its reduction kernel (accumulators per thread, vectorisation by alignment).
+    Deterministic mode: the order written down, k = 0, 1, ... into one fp32 accumulator, so
+    that no kernel heuristic stands between a token's sum and the batch around it."""
+    if not batch_invariant.enabled():
+        return per_pair.sum(dim=1)
+    total = per_pair[:, 0].to(torch.float32, copy=True)
+    for j in range(1, per_pair.shape[1]):
+        total += per_pair[:, j]  # promoted to fp32 before the add
+    return total.to(per_pair.dtype)
 
 
 class SparseMoeBlock(nn.Module):

@@ -9,10 +9,18 @@
    ``silu(gate) * up``, stored per pair.
 3. ``_down_kernel``: those activations times the expert's down rows, times the pair's routing
    weight, stored per pair.
-4. Each token's k outputs summed in k order (``moe.weighted_sum``'s order; the weight is in).
+4. Each token's k outputs summed in k order (``moe.sum_over_k``; the weight is in).
 
 Row tiles past the padded total return at once. The weights are read once per row tile that
 an expert's tokens fill: at decode, one tile per expert touched, the bytes the roofline counts.
+
+Deterministic mode (``batch_invariant``): one tile set (``DETERMINISTIC_TILES``) whatever the
+step's size, so a pair's sums run over the same BLOCK_K chunks on the same MMA shape. Nothing
+else a pair's bits go through depends on the batch: each output element is reduced by one
+program over the whole of H (or I) in order, into one fp32 accumulator (no split-K, no atomics);
+a tile holds one expert's pairs, its padding rows are masked to zeros, and an MMA computes each
+row from that row alone, so neither the pairs in other tiles nor a pair's place in its tile
+changes it. ``align``'s sort is of integers (exact), and the sum over k is an explicit loop.
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from siesta.model import batch_invariant
+from siesta.model.moe import sum_over_k
 
 
 @dataclass(frozen=True)
@@ -42,8 +53,22 @@ PREFILL_TILES = MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=8, num_s
 PREFILL_PAIRS_PER_EXPERT = 32
 
 
+# Deterministic mode's one tile set. The prefill tiles: on them a decode step is still bound by
+# its weight reads (a weight tile's 64-row MMA takes less time than the tile's load), while the
+# decode tiles' 16-row MMAs would slow a prefill's compute-bound GEMMs. Not measured yet: small
+# decode batches get fewer programs on them (Qwen3-30B-A3B at batch 1: 8 experts x 6 gate/up tiles).
+DETERMINISTIC_TILES = PREFILL_TILES
+
+
 def tiles_for(num_pairs: int, num_experts: int) -> MoeTiles:
+    """The default mode's tiles for a step of ``num_pairs`` (token, k) pairs."""
     return PREFILL_TILES if num_pairs >= PREFILL_PAIRS_PER_EXPERT * num_experts else DECODE_TILES
+
+
+def step_tiles(num_pairs: int, num_experts: int) -> MoeTiles:
+    """The tiles a step runs on: in deterministic mode one set for every step (a pair's reduction
+    must not follow the batch size), otherwise ``tiles_for``."""
+    return DETERMINISTIC_TILES if batch_invariant.enabled() else tiles_for(num_pairs, num_experts)
 
 
 @dataclass
@@ -95,7 +120,7 @@ def fused_moe(
     num_experts, two_i, _ = gate_up.shape
     inter = two_i // 2
     n = t * k
-    tiles = tiles or tiles_for(n, num_experts)
+    tiles = tiles or step_tiles(n, num_experts)
     a = align(ids, num_experts, tiles.block_m)
     x = x.contiguous()
     # fp32 weights are multiplied in fp32, not TF32 (Triton's default for fp32 dots).
@@ -119,7 +144,7 @@ def fused_moe(
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
-    return pair_out.view(t, k, hidden).sum(dim=1)
+    return sum_over_k(pair_out.view(t, k, hidden))
 
 
 @triton.jit(do_not_specialize=["num_pairs"])

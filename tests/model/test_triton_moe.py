@@ -42,8 +42,20 @@ for _name in ("siesta.model.triton_moe",):
     if _name in sys.modules:
         importlib.reload(sys.modules[_name])
 
-from siesta.model.moe import experts_reference
-from siesta.model.triton_moe import DECODE_TILES, PREFILL_TILES, Alignment, MoeTiles, align, fused_moe, tiles_for
+from siesta.model import batch_invariant
+from siesta.model.moe import experts_reference, sum_over_k
+from siesta.model.triton_moe import (
+    DECODE_TILES,
+    DETERMINISTIC_TILES,
+    PREFILL_PAIRS_PER_EXPERT,
+    PREFILL_TILES,
+    Alignment,
+    MoeTiles,
+    align,
+    fused_moe,
+    step_tiles,
+    tiles_for,
+)
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="needs CUDA (bench/gpu.sh runs it on the GPU host)")
@@ -372,3 +384,57 @@ def test_fused_moe_cuda_graph_replay(case: Case) -> None:
         eager = fused_moe(nx, nw, nids, gate_up, down)
         assert torch.equal(out, eager), f"replay {salt} differs from eager"
         _assert_close(out, _oracle(nx, nw, nids, gate_up, down), BF16_TOL)
+
+
+# ---------------------------------------------------------------------------- deterministic mode
+
+
+@pytest.fixture
+def deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(batch_invariant, "_enabled", True)
+
+
+def test_deterministic_mode_runs_one_tile_set_whatever_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = (1, 16, PREFILL_PAIRS_PER_EXPERT * 8, 100_000)
+    monkeypatch.setattr(batch_invariant, "_enabled", False)
+    assert {step_tiles(n, 8) for n in sizes} == {DECODE_TILES, PREFILL_TILES}
+    assert all(step_tiles(n, 8) == tiles_for(n, 8) for n in sizes)
+    monkeypatch.setattr(batch_invariant, "_enabled", True)
+    assert {step_tiles(n, 8) for n in sizes} == {DETERMINISTIC_TILES}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if ON_GPU else []), ids=str)
+def test_deterministic_mode_gives_a_token_the_same_bits_in_any_batch(deterministic, dtype: torch.dtype) -> None:
+    """One token's output alone, and at the start, middle and end of batches of 5 and 70 whose
+    tokens crowd onto its experts (sharing its row tiles, at other places in them) or spread
+    over all of them: the same bits. 70 tokens make 140 pairs over 4 experts, where the default
+    mode would switch to the prefill tiles (another BLOCK_K, other bits)."""
+    experts, hidden, inter = 4, 96, 80
+    assert tiles_for(2, experts) != tiles_for(140, experts)
+    x, weights, ids, gate_up, down = _inputs(Case(8, 2, experts, hidden, inter), dtype)
+    target = slice(3, 4)
+    alone = fused_moe(x[target], weights[target], ids[target], gate_up, down)
+    for tokens, skew in ((5, False), (70, True), (70, False)):
+        bx, bw, bids, _, _ = _inputs(Case(tokens, 2, experts, hidden, inter, skew=skew), dtype, salt=tokens)
+        places = sorted({0, tokens // 2, tokens - 1})  # the token at each place at once
+        for buf, val in ((bx, x), (bw, weights), (bids, ids)):
+            buf[places] = val[target]
+        out = fused_moe(bx, bw, bids, gate_up, down)
+        for at in places:
+            assert torch.equal(out[at], alone[0]), f"{tokens} tokens (skew={skew}), at {at}"
+
+
+def test_sum_over_k_in_k_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic mode: k = 0, 1, ... into one fp32 sum, rounded once; default: torch's sum."""
+    per_pair = (torch.randn(6, 8, 33, generator=torch.Generator().manual_seed(5)) * 100).to(torch.float16)
+    monkeypatch.setattr(batch_invariant, "_enabled", False)
+    assert torch.equal(sum_over_k(per_pair), per_pair.sum(dim=1))
+    monkeypatch.setattr(batch_invariant, "_enabled", True)
+    total = per_pair[:, 0].float()
+    for j in range(1, 8):
+        total = total + per_pair[:, j].float()
+    before = per_pair.clone()
+    assert torch.equal(sum_over_k(per_pair), total.to(torch.float16))
+    assert torch.equal(per_pair, before), "the input was written to"
+    fp32 = per_pair.float()
+    assert torch.equal(sum_over_k(fp32[:, :1]), fp32[:, 0]) and sum_over_k(fp32[:, :1]).data_ptr() != fp32.data_ptr()
