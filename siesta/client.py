@@ -1,9 +1,11 @@
 """Python client for a siesta server: generation and every control route, sync and async.
 
-Control methods carry the engine's names and defaults (``sleep(level=1, mode="abort",
-clear_connector_cache=True)``, ...). An optional argument is sent only when it differs from
-its default, so a newer client still drives an older server: ``sleep()`` sends no
-``clear_connector_cache`` at all, ``sleep(clear_connector_cache=False)`` sends ``false``.
+Control methods are ``siesta.control.EngineControl``'s verbs, with its names and defaults
+(``sleep(level=1, mode="abort", clear_connector_cache=True)``, ...), on its routes
+(``HTTP_ROUTES``); ``tests/test_control_surface.py`` holds them to it. An optional argument is
+sent only when it differs from its default, so a newer client still drives an older server:
+``sleep()`` sends no ``clear_connector_cache`` at all, ``sleep(clear_connector_cache=False)``
+sends ``false``.
 
 Generation methods speak the OpenAI API, so they also work against vLLM or any compatible
 server. Every 4xx/5xx raises ``SiestaAPIError`` carrying the server's message.
@@ -18,6 +20,8 @@ from typing import Any, Self
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from siesta.control import HTTP_ROUTES, init_info_of
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 # Control calls may wait for in-flight requests (mode=wait) or a weight load.
@@ -69,6 +73,13 @@ def _key(name: str) -> Callable[[Any], Any]:
     return lambda payload: payload[name]
 
 
+def _verb(verb: str, params: list[tuple[str, str]] | None = None, body: Any = None,
+          extract: Callable[[Any], Any] | None = None) -> HTTPCall:  # fmt: skip
+    """The call of one control verb, on its route."""
+    method, path = HTTP_ROUTES[verb]
+    return HTTPCall(method, path, params or [], body, extract or (lambda payload: payload))
+
+
 # -- the calls (shared by both clients) ------------------------------------------------------
 
 
@@ -78,33 +89,38 @@ class _Routes:
     def _run(self, call: HTTPCall) -> Any:
         raise NotImplementedError
 
-    def sleep(self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True) -> Any:
-        """Pause and hand device memory back; ``clear_connector_cache=False`` keeps the KV tier."""
-        params = _query(level=(level, 1), mode=(mode, "abort"), clear_connector_cache=(clear_connector_cache, True))
-        return self._run(HTTPCall("POST", "/sleep", params))
+    def sleep(
+        self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True, tags: list[str] | None = None
+    ) -> Any:
+        """Pause and hand device memory back; ``clear_connector_cache=False`` keeps the KV tier,
+        ``tags=["kv_cache"]`` the weights on the device."""
+        params = _query(level=(level, 1), mode=(mode, "abort"), clear_connector_cache=(clear_connector_cache, True),
+                        tags=(tags, None))  # fmt: skip
+        return self._run(_verb("sleep", params))
 
     def wake_up(self, tags: list[str] | None = None) -> Any:
         """Restore ``weights`` and/or ``kv_cache`` (default both)."""
-        return self._run(HTTPCall("POST", "/wake_up", _query(tags=(tags, None))))
+        return self._run(_verb("wake_up", _query(tags=(tags, None))))
 
     def is_sleeping(self) -> Any:
-        return self._run(HTTPCall("GET", "/is_sleeping", extract=_key("is_sleeping")))
+        return self._run(_verb("is_sleeping", extract=_key("is_sleeping")))
 
     def pause(self, mode: str = "abort", clear_cache: bool = True, clear_connector_cache: bool = True) -> Any:
         params = _query(
             mode=(mode, "abort"), clear_cache=(clear_cache, True), clear_connector_cache=(clear_connector_cache, True)
         )
-        return self._run(HTTPCall("POST", "/pause", params))
+        return self._run(_verb("pause", params))
 
     def resume(self) -> Any:
-        return self._run(HTTPCall("POST", "/resume"))
+        return self._run(_verb("resume"))
 
     def is_paused(self) -> Any:
-        return self._run(HTTPCall("GET", "/is_paused", extract=_key("is_paused")))
+        return self._run(_verb("is_paused", extract=_key("is_paused")))
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> Any:
+        """``reset_external`` is the route's name (vLLM's) for the engine's ``reset_connector``: the KV tiers."""
         params = _query(reset_running_requests=(reset_running_requests, False), reset_external=(reset_external, False))
-        return self._run(HTTPCall("POST", "/reset_prefix_cache", params))
+        return self._run(_verb("reset_prefix_cache", params))
 
     def update_weights(self, weights: str | dict[str, Any], weight_version: str | None = None) -> Any:
         """A model path on the server's host (loaded, version advanced), or a weight-transfer
@@ -116,30 +132,40 @@ class _Routes:
             body = {"model_path": weights}
         if weight_version is not None:
             body = body | {"weight_version": weight_version}
-        return self._run(HTTPCall("POST", "/update_weights", body=body, extract=_key("weight_version")))
+        return self._run(_verb("update_weights", body=body, extract=_key("weight_version")))
 
     def init_weight_transfer_engine(self, request: dict[str, Any]) -> Any:
         """``{"init_info": {...}}`` (or the bare init info); nccl: blocks until the trainer joins."""
-        body = request if isinstance(request, dict) and set(request) == {"init_info"} else {"init_info": request}
-        return self._run(HTTPCall("POST", "/init_weight_transfer_engine", body=body))
+        return self._run(_verb("init_weight_transfer_engine", body={"init_info": init_info_of(request)}))
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> Any:
-        return self._run(HTTPCall("POST", "/start_weight_update", body={"is_checkpoint_format": is_checkpoint_format}))
+        return self._run(_verb("start_weight_update", body={"is_checkpoint_format": is_checkpoint_format}))
 
     def finish_weight_update(self, weight_version: str | None = None) -> Any:
         """Publish the update's version (the next one unless named); returns it."""
         body = {} if weight_version is None else {"weight_version": weight_version}
-        return self._run(HTTPCall("POST", "/finish_weight_update", body=body, extract=_key("weight_version")))
+        return self._run(_verb("finish_weight_update", body=body, extract=_key("weight_version")))
 
     def get_world_size(self) -> Any:
-        return self._run(HTTPCall("GET", "/get_world_size", extract=_key("world_size")))
+        return self._run(_verb("get_world_size", extract=_key("world_size")))
+
+    def get_weight_version(self) -> Any:
+        return self._run(_verb("get_weight_version", extract=_key("weight_version")))
 
     def weight_version(self) -> Any:
-        return self._run(HTTPCall("GET", "/weight_version", extract=_key("weight_version")))
+        """``get_weight_version`` (the name this client had first)."""
+        return self.get_weight_version()
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> Any:
+        """Rename the weights (SGLang's route); returns the new version."""
+        body: dict[str, Any] = {"new_version": new_version}
+        if not abort_all_requests:
+            body["abort_all_requests"] = False
+        return self._run(_verb("update_weight_version", body=body, extract=_key("new_version")))
 
     def abort_requests(self, request_ids: list[str]) -> Any:
         """Abort requests by the ``id`` of their responses."""
-        return self._run(HTTPCall("POST", "/abort_requests", body={"request_ids": list(request_ids)}))
+        return self._run(_verb("abort_requests", body={"request_ids": list(request_ids)}))
 
     def models(self) -> Any:
         return self._run(HTTPCall("GET", "/v1/models", extract=lambda p: [m["id"] for m in p["data"]]))

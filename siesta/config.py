@@ -1,6 +1,7 @@
 """Every engine setting in one place, with its defaults and validation.
 
-The engine is built from an ``EngineConfig``; nothing else holds tunables.
+The engine is built from an ``EngineConfig``; nothing else holds tunables. ``EngineFlags`` is
+the flat, vLLM-style view of it that ``LLM(...)`` and the command line take.
 """
 
 from __future__ import annotations
@@ -375,67 +376,9 @@ class EngineConfig:
     step_trace: str | None = field(default_factory=lambda: os.environ.get(STEP_TRACE_ENV) or None)
 
     @classmethod
-    def from_flags(
-        cls,
-        model: str | None = None,
-        tokenizer: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        kv_cache_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        prefault_kv_cache: bool = False,
-        kv_cache_dtype: str = AUTO,
-        seed: int = 0,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int | None = None,
-        enable_chunked_prefill: bool = True,
-        async_scheduling: bool | None = None,
-        max_waiting_requests: int = 4096,
-        kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
-        weight_transfer_config: WeightTransferConfig | dict[str, Any] | str | None = None,
-        device: str | None = None,
-        enforce_eager: bool = False,
-        attention_backend: str = "auto",
-        enable_sleep_mode: bool = True,
-        tensor_parallel_size: int = 1,
-        cpu_threads: int | None = None,
-        usage_context: str = "llm",
-        head_dtype: str = "auto",
-        deterministic: bool | None = None,
-        enable_return_routed_experts: bool = False,
-    ) -> EngineConfig:
-        """The flat, vLLM-style engine arguments (``LLM(...)``, CLI flags) as a config."""
-        return cls(
-            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              head_dtype=head_dtype, enable_return_routed_experts=enable_return_routed_experts),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_bytes=kv_cache_bytes,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-                prefault_kv_cache=prefault_kv_cache,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                enable_chunked_prefill=enable_chunked_prefill,
-                async_scheduling=async_scheduling,
-                max_waiting_requests=max_waiting_requests,
-            ),
-            kv_transfer=KVTransferConfig.from_any(kv_transfer_config),
-            weight_transfer=WeightTransferConfig.from_any(weight_transfer_config),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-            cpu=CpuConfig(threads=cpu_threads),
-            device=device,
-            enforce_eager=enforce_eager,
-            attention_backend=attention_backend,
-            enable_sleep_mode=enable_sleep_mode,
-            usage_context=usage_context,
-            **({} if deterministic is None else {"deterministic": deterministic}),
-        )
+    def from_flags(cls, usage_context: str = "llm", **flags: Any) -> EngineConfig:
+        """The flat, vLLM-style engine arguments (``EngineFlags``: ``LLM(...)``, CLI flags) as a config."""
+        return EngineFlags(**flags).config(usage_context)
 
     def background_weight_backup(self) -> bool:
         """Whether the weights' sleep backup is made at start-up, in the background."""
@@ -481,3 +424,71 @@ class EngineConfig:
             raise ConfigError(f"weight_backup must be one of {', '.join(WEIGHT_BACKUP_MODES)}, got {self.weight_backup!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+
+
+@dataclass
+class EngineFlags:
+    """The flat, vLLM-style engine arguments, declared once: ``LLM(...)``'s keywords (its signature
+    is these fields), ``EngineConfig.from_flags``, and the command line's engine flags
+    (``entrypoints/engine_args.py`` spells each on the command line and reads its default here).
+    Each default is the structured config's own; what a field means is documented there."""
+
+    model: str | None = ModelConfig.model
+    tokenizer: str | None = ModelConfig.tokenizer
+    dtype: str | torch.dtype = ModelConfig.dtype
+    max_model_len: int | None = ModelConfig.max_model_len
+    block_size: int = CacheConfig.block_size
+    kv_cache_bytes: int | None = CacheConfig.kv_cache_bytes
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    prefault_kv_cache: bool = CacheConfig.prefault_kv_cache
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
+    seed: int = ModelConfig.seed
+    max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int | None = SchedulerConfig.max_num_seqs
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    async_scheduling: bool | None = SchedulerConfig.async_scheduling
+    max_waiting_requests: int = SchedulerConfig.max_waiting_requests
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None  # None: no KV tiers
+    weight_transfer_config: WeightTransferConfig | dict[str, Any] | str | None = None  # None: nccl's defaults
+    device: str | None = EngineConfig.device
+    enforce_eager: bool = EngineConfig.enforce_eager
+    attention_backend: str = EngineConfig.attention_backend
+    enable_sleep_mode: bool = EngineConfig.enable_sleep_mode
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    cpu_threads: int | None = CpuConfig.threads
+    head_dtype: str = ModelConfig.head_dtype
+    deterministic: bool | None = None  # None: the environment's (VLLM_BATCH_INVARIANT)
+    enable_return_routed_experts: bool = ModelConfig.enable_return_routed_experts
+
+    def config(self, usage_context: str = "llm") -> EngineConfig:
+        return EngineConfig(
+            model=ModelConfig(model=self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                              max_model_len=self.max_model_len, seed=self.seed, head_dtype=self.head_dtype,
+                              enable_return_routed_experts=self.enable_return_routed_experts),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_bytes=self.kv_cache_bytes,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefault_kv_cache=self.prefault_kv_cache,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                async_scheduling=self.async_scheduling,
+                max_waiting_requests=self.max_waiting_requests,
+            ),
+            kv_transfer=KVTransferConfig.from_any(self.kv_transfer_config),
+            weight_transfer=WeightTransferConfig.from_any(self.weight_transfer_config),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            cpu=CpuConfig(threads=self.cpu_threads),
+            device=self.device,
+            enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
+            enable_sleep_mode=self.enable_sleep_mode,
+            usage_context=usage_context,
+            **({} if self.deterministic is None else {"deterministic": self.deterministic}),
+        )  # fmt: skip

@@ -1,4 +1,4 @@
-"""A request's life inside the engine core, and what the core reports back."""
+"""A request as the front end hands it to the engine core, its life there, and what the core reports back."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class Request:
     num_prompt_logprob_positions: int = 0
 
     def __post_init__(self) -> None:
-        # Raises OverflowError / TypeError for an id no int64 holds (see EngineCore._validate).
+        # Raises OverflowError / TypeError for an id no int64 holds (see Admission._checked_tokens).
         self.all_token_ids = array(TOKEN_TYPECODE, self.prompt_token_ids)
 
     @property
@@ -151,6 +151,16 @@ class RoutedExperts(msgspec.Struct, omit_defaults=True):
         buf = io.BytesIO()
         np.save(buf, ids.reshape(self.rows, self.num_layers, self.top_k), allow_pickle=False)
         return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    """A request as the front end hands it to the engine core (in process, or on the wire)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):

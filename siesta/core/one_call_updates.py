@@ -23,13 +23,14 @@ written get a new key, so a rename can neither serve stale KV nor strand valid K
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import msgspec
 import torch
 
+from siesta.control import EngineStateError, OneCallResult
 from siesta.core.deferred import Deferred
 from siesta.core.weight_versions import VersionError, check_version
+from siesta.core.weights import WeightUpdates
 from siesta.weight_transfer.checkpoints import update_source
 from siesta.weight_transfer.pickled_tensors import SerializedTensors
 from siesta.weight_transfer.receivers import LocalReceiver
@@ -37,34 +38,30 @@ from siesta.weight_transfer.sglang_group import DEFAULT_GROUP_NAME, REJOIN, pars
 from siesta.weight_transfer.sglang_updates import distributed_update_info, tensor_update_info
 from siesta.weight_transfer.wire import WeightTransferError, parse_update_info
 
-if TYPE_CHECKING:
-    from siesta.core.engine_core import EngineCore
-
 # What the trainer is told when the engine has no such group.
 _NO_GROUP = "no weight update group {name!r}: call " + REJOIN + " first"
 
 
-class OneCallResult(msgspec.Struct, omit_defaults=True):
-    weight_version: str
-    kept_requests: int = 0  # requests in flight that were kept across the update (SGLang's num_paused_requests)
-    missing_tensors: int = 0  # still to be written before the engine generates (a torn or released engine)
+# Ends requests, their outputs going out as any abort's: the engine's, handed to each call (a
+# part holds no reference back to the engine).
+Abort = Callable[[list[str]], None]
 
 
 class OneCallUpdates:
-    """EngineCore's one-call weight updates (mixed into ``EngineCore``)."""
+    """SGLang's weight calls over the engine's weights; the engine core reads back the step in
+    flight before each."""
 
-    _serialized: SerializedTensors | None = None
+    def __init__(self, weights: WeightUpdates, unfinished_ids: Callable[[], list[str]]) -> None:
+        self.weights = weights
+        self.updater = weights.updater
+        self.unfinished_ids = unfinished_ids  # requests held or scheduled
+        self._serialized: SerializedTensors | None = None
 
     # -- SGLang's groups -------------------------------------------------------------
 
-    def init_weights_update_group(self: EngineCore, init_info: Any) -> str:
-        """Join the trainer's group through SGLang's rendezvous; returns its name."""
-        return self.begin_weights_update_group(init_info).wait()
-
-    def begin_weights_update_group(self: EngineCore, init_info: Any) -> Deferred:
+    def begin_join_group(self, init_info: Any) -> Deferred:
         """Start joining on a thread of every rank (the engine steps meanwhile); the Deferred
         answers with the group's name once the trainer met the engine, or with why not."""
-        self._settle()
         parse_sglang_group(init_info)  # refused here, before any rank waits at the rendezvous
         name = self.updater.begin_join_group(init_info)
 
@@ -74,15 +71,15 @@ class OneCallUpdates:
 
         return Deferred(lambda: self.updater.join_done(name), finish)
 
-    def destroy_weights_update_group(self: EngineCore, group_name: str = DEFAULT_GROUP_NAME) -> None:
-        self._settle()
+    def destroy_group(self, group_name: str = DEFAULT_GROUP_NAME) -> None:
         if not self.updater.leave_group(group_name):
             raise WeightTransferError(_NO_GROUP.format(name=group_name))
 
     # -- updates -----------------------------------------------------------------------
 
-    def update_weights_from_distributed(
-        self: EngineCore,
+    def from_distributed(
+        self,
+        abort: Abort,
         names: Any,
         dtypes: Any,
         shapes: Any,
@@ -96,7 +93,7 @@ class OneCallUpdates:
             raise WeightTransferError(_NO_GROUP.format(name=group_name))
         try:
             info = distributed_update_info(names, dtypes, shapes, load_format)
-            parse_update_info(info, self.config.weight_transfer)
+            parse_update_info(info, self.weights.config.weight_transfer)
             if options.get("weight_version") is not None:
                 check_version(options["weight_version"])
         except (WeightTransferError, VersionError) as e:
@@ -104,81 +101,77 @@ class OneCallUpdates:
             # left unread it would be read as the next update's: close the group instead.
             self.updater.close_group(group_name)
             raise WeightTransferError(f"{e}; weight update group {group_name!r} is closed: {REJOIN} again") from None
-        return self._one_call_update(lambda: self._receive(info, receiver), **options)
+        return self._transaction(abort, lambda: self.weights.receive(info, receiver), **options)
 
-    def update_weights_from_tensor(
-        self: EngineCore, serialized: list[Any], load_format: str | None = None, **options: Any
+    def from_tensor(
+        self, abort: Abort, serialized: list[Any], load_format: str | None = None, **options: Any
     ) -> OneCallResult:
         """Tensors the trainer shares (CUDA IPC, or shared memory by name on the CPU), one entry per engine rank."""
-        ranks = self.get_world_size()
+        ranks = self.weights.ranks.size
         if not isinstance(serialized, list) or len(serialized) != ranks:
             count = len(serialized) if isinstance(serialized, list) else type(serialized).__name__
             raise WeightTransferError(f"serialized_named_tensors has one entry per engine rank ({ranks}), got {count}")
+        device = self.weights.runner.device
         if self._serialized is None:
-            self._serialized = SerializedTensors(self.runner.device)
+            self._serialized = SerializedTensors(device)
         named = self._serialized.decode(serialized[0], load_format)  # refused here: nothing aborted or written
         info, tensors = tensor_update_info(named)
-        receiver = LocalReceiver(self.config.weight_transfer, self.runner.device, tensors)
+        receiver = LocalReceiver(self.weights.config.weight_transfer, device, tensors)
         if ranks == 1:
-            return self._one_call_update(lambda: self._receive(info, receiver), **options)
+            return self._transaction(abort, lambda: self.weights.receive(info, receiver), **options)
         # Every rank decodes its own entry (rank 0's again, in the transaction).
         backend = receiver.backend
-        return self._one_call_update(lambda: self._receive_with(backend, lambda: self.updater.receive_serialized(
-            serialized, load_format)), **options)  # fmt: skip
 
-    def update_weights_from_disk(self: EngineCore, model_path: str, **options: Any) -> OneCallResult:
+        def receive() -> None:
+            self.weights.receive_with(backend, lambda: self.updater.receive_serialized(serialized, load_format))
+
+        return self._transaction(abort, receive, **options)
+
+    def from_disk(self, abort: Abort, model_path: str, **options: Any) -> OneCallResult:
         # A path that is no model, or a model of other shapes, is refused before anything changes.
         if options.get("weight_version") is not None:
             check_version(options["weight_version"])
-        update_source(model_path, self.runner.model.shape)
-        return self._one_call_update(lambda: self.updater.write_path(model_path), **options)
+        update_source(model_path, self.weights.runner.model.shape)
+        return self._transaction(abort, lambda: self.updater.write_path(model_path), **options)
 
-    def update_weight_version(self: EngineCore, new_version: str, abort_all_requests: bool = True) -> str:
+    def rename(self, abort: Abort, new_version: str, abort_all_requests: bool = True) -> str:
         """Rename the weights: outputs report ``new_version``; cached KV stays valid and reachable."""
-        from siesta.core.engine_core import EngineStateError  # engine_core imports this module
-
-        self._settle()
         new_version = check_version(new_version)  # refused before anything is aborted
-        if self.weights.open:
+        if self.weights.state.open:
             raise EngineStateError("a weight update is open: finish_weight_update names its version")
         if abort_all_requests:
-            self.abort_requests(self._unfinished_ids())
-        self._rename_weights(new_version)
-        return self.weight_version
+            abort(self.unfinished_ids())
+        self.weights.rename(new_version)
+        return self.weights.name
 
-    def _one_call_update(
-        self: EngineCore,
+    def _transaction(
+        self,
+        abort: Abort,
         receive: Callable[[], None],
         weight_version: str | None = None,
         abort_all_requests: bool = False,
         flush_cache: bool = True,
         empty_cache: bool = False,
     ) -> OneCallResult:
-        from siesta.core.engine_core import EngineStateError  # engine_core imports this module
-
-        self._settle()
+        weights = self.weights
         if weight_version is not None:
             weight_version = check_version(weight_version)  # refused before anything is aborted or written
-        if self.memory.weights_released:
-            raise EngineStateError("the weights are released: wake_up(tags=['weights']) before a weight update")
-        if self.weights.open:
+        weights.check_not_released("a weight update")
+        if weights.state.open:
             raise EngineStateError("a weight update is open (start_weight_update): finish_weight_update first")
         if abort_all_requests:
-            self.abort_requests(self._unfinished_ids())
-        kept = len(self._unfinished_ids())
+            abort(self.unfinished_ids())
+        kept = len(self.unfinished_ids())
         self.updater.start()
         try:
             receive()
         finally:
             self.updater.close_update()  # the call is the whole update: written tensors stay, torn or not
-        self._publish_written(weight_version)
+        weights.publish_written(weight_version)
         if flush_cache:
-            self.kv.reset_prefix_cache()
-        if self.connector is not None:
-            self.connector.evict_other_versions(self.kv_version)
-        if empty_cache and self.runner.device.type == "cuda":
+            weights.kv.reset_prefix_cache()
+        if weights.connector is not None:
+            weights.connector.evict_other_versions(weights.key)
+        if empty_cache and weights.runner.device.type == "cuda":
             torch.cuda.empty_cache()
-        return OneCallResult(self.weight_version, kept, len(self.weights.missing))
-
-    def _unfinished_ids(self: EngineCore) -> list[str]:
-        return [*self.scheduler.requests, *(h.request_id for h in self._held)]
+        return OneCallResult(weights.name, kept, len(weights.state.missing))

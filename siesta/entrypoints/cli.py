@@ -30,7 +30,6 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None, help="names the API answers to (default: the model's)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set SIESTA_API_KEY)")
     p.add_argument("--dev-mode", action="store_true", help="enable the control routes (or SIESTA_SERVER_DEV_MODE=1, or vLLM's VLLM_SERVER_DEV_MODE=1)")
-    p.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--uvicorn-log-level", default=None, choices=UVICORN_LOG_LEVELS,
                    help="vLLM's: uvicorn's own log level (default: --log-level)")  # fmt: skip

@@ -13,7 +13,8 @@ import re
 import sys
 from pathlib import Path
 
-from siesta.attention.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
+from siesta.attention.kv_quant import check_kv_cache_dtype
+from siesta.config import EngineFlags
 
 # K, M, G, T alone or with "i" are binary (1G = 2**30, as vLLM's size flags read them); with a
 # plain "B" they are decimal (1GB = 10**9). A bare number is bytes.
@@ -23,7 +24,7 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "ki": 1 << 10, "kib": 1 << 10, "kb": 10**
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 GENERATION_CONFIGS = ("vllm",)  # vLLM's own sampling defaults, which siesta uses
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_GPU_MEMORY_UTILIZATION = EngineFlags.gpu_memory_utilization
 
 
 def byte_size(text: str) -> int:
@@ -36,14 +37,8 @@ def byte_size(text: str) -> int:
 
 
 def add_vllm_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of ``vllm serve`` that siesta's own flags do not already spell the same way."""
-    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="vLLM's; on by default (--no-enable-prefix-caching turns it off)")  # fmt: skip
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks (one process and one GPU each) that split every layer")  # fmt: skip
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help=f"{', '.join(KV_CACHE_DTYPES)}: auto is the model's dtype; fp8 (= fp8_e4m3) and "
-                        "fp8_e5m2 hold a byte a value under per-layer scales (the checkpoint's, else 1.0)")  # fmt: skip
+    """The flags of ``vllm serve`` that set nothing of the engine's (its own are ``engine_args``'s, vLLM's
+    spellings among them: --enable-prefix-caching, --tensor-parallel-size, --kv-cache-dtype)."""
     p.add_argument("--disable-log-requests", action="store_true",
                    help="vLLM's; siesta logs no per-request lines in any case")  # fmt: skip
     p.add_argument("--disable-log-stats", action="store_true",

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from siesta.config import EngineConfig, KVTransferConfig, WeightTransferConfig
-from siesta.core.engine_core import EngineCore, EngineCoreRequest, EngineStateError
+from siesta.config import EngineConfig, EngineFlags
+from siesta.control import EngineStateError
+from siesta.core.engine_core import EngineCore
 from siesta.metrics import MetricsRegistry
 from siesta.output_processor import OutputProcessor
-from siesta.request import RequestOutput
+from siesta.request import EngineCoreRequest, RequestOutput
 from siesta.sampling import RequestOutputKind, SamplingParams
 from siesta.tokenizer import bad_words_token_ids, chat_to_ids, encode, truncate_ids
 
@@ -21,50 +23,10 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        kv_cache_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        prefault_kv_cache: bool = False,
-        kv_cache_dtype: str = "auto",
-        seed: int = 0,
-        max_num_batched_tokens: int | None = None,
-        max_num_seqs: int | None = None,
-        enable_chunked_prefill: bool = True,
-        async_scheduling: bool | None = None,
-        max_waiting_requests: int = 4096,
-        kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
-        weight_transfer_config: WeightTransferConfig | dict[str, Any] | str | None = None,
-        device: str | None = None,
-        enforce_eager: bool = False,
-        attention_backend: str = "auto",
-        enable_sleep_mode: bool = True,
-        tensor_parallel_size: int = 1,
-        cpu_threads: int | None = None,
-        head_dtype: str = "auto",
-        deterministic: bool | None = None,
-        enable_return_routed_experts: bool = False,
-    ) -> None:
-        self.config = EngineConfig.from_flags(
-            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
-            kv_cache_bytes=kv_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, prefault_kv_cache=prefault_kv_cache,
-            kv_cache_dtype=kv_cache_dtype, seed=seed,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, enable_chunked_prefill=enable_chunked_prefill, async_scheduling=async_scheduling,
-            max_waiting_requests=max_waiting_requests,
-            kv_transfer_config=kv_transfer_config, weight_transfer_config=weight_transfer_config,
-            device=device, enforce_eager=enforce_eager,
-            attention_backend=attention_backend, enable_sleep_mode=enable_sleep_mode,
-            tensor_parallel_size=tensor_parallel_size, cpu_threads=cpu_threads, head_dtype=head_dtype,
-            deterministic=deterministic, enable_return_routed_experts=enable_return_routed_experts,
-        )  # fmt: skip
+    def __init__(self, model: str | None = None, **flags: Any) -> None:
+        """``model`` and the engine flags: ``siesta.config.EngineFlags``'s fields, by keyword (the
+        signature below is theirs), as vLLM's ``LLM`` takes its engine arguments."""
+        self.config = EngineConfig.from_flags(model=model, **flags)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.source.load_tokenizer()
         self.metrics = MetricsRegistry(model_name=self.engine.source.name)  # the name a server would serve it as
@@ -209,6 +171,10 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return bool(self._children)
 
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests (ids from ``add_request``); their blocks are freed at once."""
+        self.abort(request_ids)
+
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests (ids from ``add_request``); their blocks are freed at once."""
         for parent in request_ids:
@@ -247,7 +213,7 @@ class LLM:
         self._unreported.discard(parent)
         return OutputProcessor.request_output(parent, states, delta)
 
-    # -- pause, sleep, weights ---------------------------------------------------------
+    # -- pause, sleep, weights (siesta.control.EngineControl) ----------------------------
 
     def pause(self, mode: str = "abort", clear_cache: bool = True, clear_connector_cache: bool = True) -> None:
         """Stop generating (see ``EngineCore.pause``); with ``mode="wait"`` returns once in-flight requests end."""
@@ -279,8 +245,7 @@ class LLM:
     def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
         """vLLM's weight-transfer API, phase 1 (once): ``{"init_info": {...}}`` or the bare init info.
         With the nccl backend this joins the trainer's group, so the trainer must join it meanwhile."""
-        init_info = request["init_info"] if isinstance(request, dict) and set(request) == {"init_info"} else request
-        self.engine.init_weight_transfer_engine(init_info)
+        self.engine.init_weight_transfer_engine(request)
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         """Open an update: nothing is generated until ``finish_weight_update``."""
@@ -303,6 +268,13 @@ class LLM:
     def get_world_size(self) -> int:
         return self.engine.get_world_size()
 
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> str:
+        """Rename the weights (SGLang's): outputs report ``new_version``; cached KV stays reachable."""
+        version = self.engine.update_weight_version(new_version, abort_all_requests)
+        if abort_all_requests:
+            self._drive_once()  # hand the aborted requests' outputs through, as abort() does
+        return version
+
     def get_weight_version(self) -> str:
         return self.engine.weight_version
 
@@ -321,6 +293,18 @@ class LLM:
     def get_metrics(self) -> dict[str, float]:
         self.metrics.apply(self.engine.drain_stats())
         return self.metrics.as_dict()
+
+
+def _flags_signature() -> inspect.Signature:
+    """``LLM.__init__``'s signature, read from ``EngineFlags``: ``model``, then every flag by keyword."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for i, f in enumerate(dataclasses.fields(EngineFlags)):
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if i == 0 else inspect.Parameter.KEYWORD_ONLY
+        params.append(inspect.Parameter(f.name, kind, default=f.default, annotation=f.type))
+    return inspect.Signature(params, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _flags_signature()  # type: ignore[attr-defined]
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

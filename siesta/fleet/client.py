@@ -19,6 +19,10 @@ Replicas in a weight-transfer group each join at their own rank offset (slime's 
 i at 1 + the ranks of the replicas before it), which a fan-out cannot say (one body for all):
 ``init_weight_transfer_engine`` calls each replica through the gateway's per-worker passthrough.
 
+Its verbs are ``siesta.control.EngineControl``'s, with its names and defaults, each fanned out on
+the verb's route (``HTTP_ROUTES``; ``tests/test_control_surface.py`` holds them to it): actions
+answer a ``FleetResult``, queries one value a replica.
+
 The client speaks vLLM's weight-transfer calls, so ``siesta.weight_transfer.WeightSender``
 pushes into a fleet as into one engine (``WeightSender(FleetClient(url), "nccl")``; over gloo on
 the CPU): one broadcast from the trainer reaches every replica's ranks. ``push`` runs a
@@ -35,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+from siesta.control import HTTP_ROUTES, init_info_of
 from siesta.fleet.gateway import WEIGHT_VERSION_LABEL, Gateway
 from siesta.fleet.rl_plane import CALL_TIMEOUT_S, Outcome, Replica, RlPlane
 
@@ -131,6 +136,12 @@ class FleetClient:
             self._members = {r.worker_id: r for r in self.replicas()}
         return FleetResult(verb, tuple(sorted((_result(o, self._members) for o in outcomes), key=lambda r: r.index)))
 
+    def _verb(self, verb: str, params: dict[str, Any] | None = None, body: Any = None,
+              only: Sequence[int] | None = None) -> FleetResult:  # fmt: skip
+        """One control verb to every replica (or those in ``only``), on its route."""
+        method, path = HTTP_ROUTES[verb]
+        return self._fanout(verb, method, path, params, body, only)
+
     def _all(self, result: FleetResult, undo: Callable[[list[int]], FleetResult] | None = None,
              undo_name: str = "") -> FleetResult:  # fmt: skip
         """``result`` if every replica succeeded; else undo it on those that did, and raise."""
@@ -146,7 +157,7 @@ class FleetClient:
 
     def pause(self, mode: str = "abort", clear_cache: bool = True, clear_connector_cache: bool = True) -> FleetResult:
         params = {"mode": mode, "clear_cache": clear_cache, "clear_connector_cache": clear_connector_cache}
-        return self._all(self._fanout("pause", "POST", "pause", params), self._resume_only, "resume")
+        return self._all(self._verb("pause", params), self._resume_only, "resume")
 
     def resume(self) -> FleetResult:
         """Resume every replica, once they serve one version and none is suspect."""
@@ -157,45 +168,66 @@ class FleetClient:
         versions = self.weight_versions()
         if len(set(versions.values())) > 1:
             raise FleetError(FleetResult("resume", (), f"refused: the replicas serve different versions {versions}"))
-        return self._all(self._fanout("resume", "POST", "resume"))
+        return self._all(self._verb("resume"))
 
     def _resume_only(self, indices: list[int]) -> FleetResult:
-        return self._fanout("resume", "POST", "resume", only=indices)
+        return self._verb("resume", only=indices)
 
-    def sleep(self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True) -> FleetResult:
+    def sleep(
+        self, level: int = 1, mode: str = "abort", clear_connector_cache: bool = True, tags: list[str] | None = None
+    ) -> FleetResult:
         """``clear_connector_cache=False`` keeps every replica's tier (``mode="keep"`` resumes the
         requests in flight after ``wake_up``, each on its own replica, loading from its tier)."""
-        params = {"level": level, "mode": mode, "clear_connector_cache": clear_connector_cache}
-        return self._all(self._fanout("sleep", "POST", "sleep", params), self._wake_only, "wake_up")
+        params: dict[str, Any] = {"level": level, "mode": mode, "clear_connector_cache": clear_connector_cache}
+        if tags is not None:
+            params["tags"] = tags
+        return self._all(self._verb("sleep", params), self._wake_only, "wake_up")
 
     def _wake_only(self, indices: list[int]) -> FleetResult:
-        return self._fanout("wake_up", "POST", "wake_up", only=indices)
+        return self._verb("wake_up", only=indices)
 
     def wake_up(self, tags: list[str] | None = None) -> FleetResult:
-        return self._all(self._fanout("wake_up", "POST", "wake_up", None if tags is None else {"tags": tags}))
+        return self._all(self._verb("wake_up", None if tags is None else {"tags": tags}))
 
     def is_paused(self) -> dict[int, bool]:
-        result = self._all(self._fanout("is_paused", "GET", "is_paused"))
+        result = self._all(self._verb("is_paused"))
         return {r.index: bool(r.body["is_paused"]) for r in result.replicas}
 
     def is_sleeping(self) -> dict[int, bool]:
-        result = self._all(self._fanout("is_sleeping", "GET", "is_sleeping"))
+        result = self._all(self._verb("is_sleeping"))
         return {r.index: bool(r.body["is_sleeping"]) for r in result.replicas}
 
     def weight_versions(self) -> dict[int, str]:
-        result = self._all(self._fanout("weight_version", "GET", "weight_version"))
+        result = self._all(self._verb("get_weight_version"))
         return {r.index: str(r.body["weight_version"]) for r in result.replicas}
 
-    def weight_version(self) -> str:
+    def get_weight_version(self) -> str:
         """The version every replica serves (FleetError when they differ)."""
         versions = self.weight_versions()
         if len(set(versions.values())) != 1:
             raise FleetError(FleetResult("weight_version", (), f"the replicas serve different versions {versions}"))
         return next(iter(versions.values()))
 
+    def weight_version(self) -> str:
+        """``get_weight_version`` (the name this client had first)."""
+        return self.get_weight_version()
+
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_external: bool = False) -> FleetResult:
+        """``reset_external`` is the route's name (vLLM's) for the engine's ``reset_connector``: the KV tiers."""
         params = {"reset_running_requests": reset_running_requests, "reset_external": reset_external}
-        return self._all(self._fanout("reset_prefix_cache", "POST", "reset_prefix_cache", params))
+        return self._all(self._verb("reset_prefix_cache", params))
+
+    def abort_requests(self, request_ids: list[str]) -> FleetResult:
+        """Abort requests by id on every replica (each ends those it serves; the others have none)."""
+        return self._all(self._verb("abort_requests", body={"request_ids": list(request_ids)}))
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> FleetResult:
+        """Rename the weights on every replica and relabel the gateway. A rename that fails on
+        some replicas leaves their versions differing, so ``resume`` refuses until it is redone."""
+        body = {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        result = self._all(self._verb("update_weight_version", body=body))
+        self._relabel(str(new_version))
+        return result
 
     # -- weight updates: one transaction -------------------------------------------------
 
@@ -217,23 +249,21 @@ class FleetClient:
             body = weights if set(weights) == {"update_info"} else {"update_info": weights}
             if self._update is None:
                 self._begin("start")  # vLLM lets update_weights open the update: so does the fleet
-            self._record(lambda: self._fanout("update_weights", "POST", "update_weights", body=body))
+            self._record(lambda: self._verb("update_weights", body=body))
             return ""  # published by finish_weight_update
         if self._update is not None:
             version = weight_version or self._next_version()
-            self._record(lambda: self._fanout("update_weights", "POST", "update_weights",
-                                              body={"model_path": weights, "weight_version": version}))  # fmt: skip
+            self._record(lambda: self._verb("update_weights", body={"model_path": weights, "weight_version": version}))
             return version
         with self.updating():
             version = weight_version or self._next_version()
-            self._record(lambda: self._fanout("update_weights", "POST", "update_weights",
-                                              body={"model_path": weights, "weight_version": version}))  # fmt: skip
+            self._record(lambda: self._verb("update_weights", body={"model_path": weights, "weight_version": version}))
         return version
 
     def get_world_size(self) -> int:
         """Engine ranks of the whole fleet (each replica's tensor-parallel size, summed)."""
         members = tuple(self.replicas())
-        result = self._all(self._fanout("get_world_size", "GET", "get_world_size"))
+        result = self._all(self._verb("get_world_size"))
         sizes = {r.index: int(r.body["world_size"]) for r in result.replicas}
         self._ranks = tuple(_with_ranks(m, sizes[m.index]) for m in members)
         return sum(sizes.values())
@@ -250,10 +280,9 @@ class FleetClient:
     def init_weight_transfer_engine(self, request: dict[str, Any]) -> FleetResult:
         """vLLM's init for the fleet: each replica joins at its own rank offset (nccl/gloo); an
         empty init_info (ipc) goes to every replica as it is."""
-        info = request["init_info"] if set(request) == {"init_info"} else request
+        info = init_info_of(request)
         if not info:
-            return self._all(self._fanout("init_weight_transfer_engine", "POST", "init_weight_transfer_engine",
-                                          body={"init_info": {}}))  # fmt: skip
+            return self._all(self._verb("init_weight_transfer_engine", body={"init_info": {}}))
         if self._ranks is None:
             self.get_world_size()
         offsets = self.rank_offsets(int(info.get("rank_offset", 1)))
@@ -285,8 +314,8 @@ class FleetClient:
         """Pause the fleet, then open an update on every replica."""
         if self._update is None:
             self._begin("start")
-        return self._record(lambda: self._fanout("start_weight_update", "POST", "start_weight_update",
-                                                 body={"is_checkpoint_format": is_checkpoint_format}))  # fmt: skip
+        body = {"is_checkpoint_format": is_checkpoint_format}
+        return self._record(lambda: self._verb("start_weight_update", body=body))
 
     def finish_weight_update(self, weight_version: str | None = None) -> str:
         """Publish one version name on every replica (the next one unless named), then, if the
@@ -301,8 +330,7 @@ class FleetClient:
                                          f"{_indices(update.failed)} failed the update ({_why(update.failed)}); "
                                          "the fleet stays paused"))  # fmt: skip
         version = weight_version or self._next_version()
-        self._record(lambda: self._fanout("finish_weight_update", "POST", "finish_weight_update",
-                                          body={"weight_version": version}))  # fmt: skip
+        self._record(lambda: self._verb("finish_weight_update", body={"weight_version": version}))
         if update.opened_by == "start":
             self._commit()
         return version
@@ -388,11 +416,14 @@ class FleetClient:
             raise FleetError(FleetResult("weight update", (), f"nothing resumed: the versions differ {versions}"))
         for m in update.members:
             self.suspects.pop(m.index, None)  # every replica took this update whole
-        version = next(iter(versions.values()))
+        self._relabel(next(iter(versions.values())))
+        self.resume()
+
+    def _relabel(self, version: str) -> None:
+        """The gateway's registry says the version every replica serves now."""
         for r in self.replicas():
             if r.weight_version != version:
                 self.gateway.relabel(r.worker_id, {WEIGHT_VERSION_LABEL: version})
-        self.resume()
 
     def _next_version(self) -> str:
         """The name every replica publishes when the caller names none: replicas each advance a

@@ -24,9 +24,7 @@ import zmq
 import zmq.asyncio
 
 from siesta.config import EngineConfig
-from siesta.core.engine_core import EngineCoreRequest
-from siesta.core.one_call_updates import OneCallResult
-from siesta.ipc.core_proc import run_engine_core
+from siesta.control import OneCallResult, init_info_of, update_info_of
 from siesta.ipc.protocol import (
     AbortRequests,
     AddRequest,
@@ -65,7 +63,7 @@ from siesta.ipc.protocol import (
 )
 from siesta.ipc.remote_errors import EngineDeadError, from_remote
 from siesta.metrics import MetricsRegistry
-from siesta.request import EngineCoreOutput
+from siesta.request import EngineCoreOutput, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +145,7 @@ class EngineCoreClient:
         ipc_dir = tempfile.mkdtemp(prefix="siesta-ipc-")
         ctx = multiprocessing.get_context("spawn")
         process = ctx.Process(
-            target=run_engine_core,
+            target=_run_engine_core,
             args=(config, _address(ipc_dir, "input"), _address(ipc_dir, "output")),
             name="siesta-engine-core",
         )
@@ -312,7 +310,7 @@ class EngineCoreClient:
     async def abort_requests(self, request_ids: list[str]) -> None:
         await self.call(AbortRequests(request_ids=request_ids))
 
-    # -- control (the engine's names and defaults) ------------------------------------------
+    # -- control (siesta.control.EngineControl: its names and defaults, each verb awaited) -----
 
     async def pause(self, mode: str = "abort", clear_cache: bool = True, clear_connector_cache: bool = True) -> None:
         await self.call(Pause(mode=mode, clear_cache=clear_cache, clear_connector_cache=clear_connector_cache))
@@ -349,14 +347,18 @@ class EngineCoreClient:
             )
         )
 
-    async def update_weights(
-        self, model_path: str | None = None, weight_version: str | None = None, update_info: Any = None
-    ) -> str:
-        call = UpdateWeights(model_path=model_path, update_info=update_info, weight_version=weight_version)
+    async def update_weights(self, weights: str | dict[str, Any], weight_version: str | None = None) -> str:
+        """A model path the core loads, or a weight-transfer call (``{"update_info": {...}}`` or
+        the bare update_info): tensors do not cross the process boundary."""
+        if isinstance(weights, str):
+            call = UpdateWeights(model_path=weights, weight_version=weight_version)
+        else:
+            call = UpdateWeights(update_info=update_info_of(weights), weight_version=weight_version)
         return str(await self.call(call))
 
-    async def init_weight_transfer_engine(self, init_info: Any) -> None:
-        await self.call(InitWeightTransfer(init_info=init_info))
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        """vLLM's ``{"init_info": {...}}`` or the bare init info."""
+        await self.call(InitWeightTransfer(init_info=init_info_of(request)))
 
     async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         await self.call(StartWeightUpdate(is_checkpoint_format=is_checkpoint_format))
@@ -395,6 +397,9 @@ class EngineCoreClient:
 
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> str:
         return str(await self.call(UpdateWeightVersion(new_version=new_version, abort_all_requests=abort_all_requests)))
+
+    async def get_weight_version(self) -> str:
+        return (await self.get_info()).weight_version
 
     async def get_info(self) -> EngineInfo:
         """The model as the core described it at start, with the weight version of its last message."""
@@ -443,6 +448,13 @@ class EngineCoreClient:
             future.set_exception(from_remote(reply.error))
         else:
             future.set_result(reply.result)
+
+
+def _run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """The spawned process's target: the engine is imported there, never in the API server."""
+    from siesta.ipc.core_proc import run_engine_core
+
+    run_engine_core(config, input_address, output_address)
 
 
 def _address(ipc_dir: str, name: str) -> str:

@@ -26,7 +26,8 @@ import msgspec
 import zmq
 
 from siesta.config import EngineConfig
-from siesta.core.engine_core import EngineCore, EngineStateError
+from siesta.control import EngineStateError
+from siesta.core.engine_core import EngineCore
 from siesta.distributed.processes import RankFailed
 from siesta.ipc.handler import CallHandler, Engine, engine_info
 from siesta.ipc.protocol import CallCodec, CoreMessage, CoreState, Fatal, MessageCodec, Ready, Reply, StepOutputs

@@ -19,9 +19,8 @@ from typing import Any
 
 import msgspec
 
-from siesta.core.engine_core import EngineCoreRequest
 from siesta.metrics import StatsSnapshot
-from siesta.request import EngineCoreOutput
+from siesta.request import EngineCoreOutput, EngineCoreRequest
 from siesta.weight_transfer.sglang_group import DEFAULT_GROUP_NAME
 
 
@@ -169,6 +168,28 @@ CoreCallUnion = (
     | GetWorldSize | GetInfo | Shutdown | InitWeightsUpdateGroup | DestroyWeightsUpdateGroup
     | UpdateWeightsFromDistributed | UpdateWeightsFromTensor | UpdateWeightsFromDisk | UpdateWeightVersion
 )  # fmt: skip
+
+# The message of each verb of siesta.control.EngineControl (the weight version is a field of the
+# core's info). Their fields are the verb's arguments under its names and defaults, save where
+# the wire holds the argument otherwise: update_weights' path or update_info, the bare init info
+# (tests/test_control_surface.py).
+CONTROL_CALLS: dict[str, type[CoreCall]] = {
+    "init_weight_transfer_engine": InitWeightTransfer,
+    "start_weight_update": StartWeightUpdate,
+    "update_weights": UpdateWeights,
+    "finish_weight_update": FinishWeightUpdate,
+    "get_world_size": GetWorldSize,
+    "pause": Pause,
+    "resume": Resume,
+    "is_paused": IsPaused,
+    "sleep": Sleep,
+    "wake_up": WakeUp,
+    "is_sleeping": IsSleeping,
+    "reset_prefix_cache": ResetPrefixCache,
+    "abort_requests": AbortRequests,
+    "update_weight_version": UpdateWeightVersion,
+    "get_weight_version": GetInfo,
+}
 
 
 # -- messages (core -> server) -----------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from siesta.brief import bounded
 from siesta.config import ConfigError
-from siesta.core.engine_core import ConnectorRetentionError, EngineOverloaded, EngineStateError, RequestRejected
+from siesta.control import ConnectorRetentionError, EngineOverloaded, EngineStateError, RequestRejected
 from siesta.ipc.protocol import RemoteError
 from siesta.weight_transfer.updater import UpdateFailed
 

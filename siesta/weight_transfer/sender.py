@@ -23,12 +23,13 @@ import pickle
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from siesta.config import WeightTransferConfig
+from siesta.control import WeightTransferControl
 from siesta.weight_transfer.group import SOURCE_RANK, TransferGroup, open_group
 from siesta.weight_transfer.handles import CUDA_EVENT_SYNC_ARG, SHM_DIR, shm_handle
 from siesta.weight_transfer.names import checkpoint_tensors
@@ -39,14 +40,9 @@ _DEFAULTS = WeightTransferConfig()
 REPLY_GRACE_S = 30.0
 
 
-class WeightTransferClient(Protocol):
-    """What the sender calls: ``siesta.LLM``, ``siesta.client.SiestaClient`` or vLLM's equivalents."""
-
-    def init_weight_transfer_engine(self, request: dict[str, Any]) -> Any: ...
-    def start_weight_update(self, is_checkpoint_format: bool = ...) -> Any: ...
-    def update_weights(self, weights: Any, weight_version: str | None = ...) -> Any: ...
-    def finish_weight_update(self, weight_version: str | None = ...) -> Any: ...
-    def get_world_size(self) -> int: ...
+# What the sender calls: ``siesta.LLM``, ``siesta.client.SiestaClient``, ``siesta.fleet.FleetClient``
+# or vLLM's equivalents (the weight-transfer verbs of siesta.control).
+WeightTransferClient = WeightTransferControl
 
 
 def free_port(host: str = "127.0.0.1") -> int:

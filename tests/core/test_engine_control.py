@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from siesta import LLM, SamplingParams
-from siesta.core.engine_core import EngineStateError
+from siesta.control import EngineStateError
 
 PARAMS = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPTS = [list(range(10, 10 + n)) for n in (40, 75, 130)]
@@ -202,3 +202,23 @@ def test_a_woken_cache_of_nan_bits_is_zeroed_block_by_block_as_steps_use_it(refe
     used = torch.from_numpy(~kv.unset)
     assert torch.isfinite(kv.tensor[used]).all(), "no used block keeps a NaN in an unwritten slot"
     assert torch.isnan(kv.tensor[~used]).all()
+
+
+def test_a_dropped_engine_is_freed_at_once_without_the_cycle_collector():
+    # The core's parts hold no reference back to it: its KV pool and weights go with the last
+    # reference, not at some later collection (a trainer that drops an LLM wants the memory now).
+    import gc
+    import weakref
+
+    llm = LLM("random:tiny-llama", dtype="float32", kv_cache_bytes=1 << 23, max_model_len=512)
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False)
+    llm.sleep(level=1)
+    llm.wake_up()
+    engine, kv = weakref.ref(llm.engine), weakref.ref(llm.engine.runner.kv_cache)
+    gc.collect()  # what construction and the calls left behind
+    gc.disable()
+    try:
+        del llm
+        assert engine() is None and kv() is None
+    finally:
+        gc.enable()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from siesta import LLM, SamplingParams
-from siesta.core.engine_core import EngineStateError
+from siesta.control import EngineStateError
 
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 PROMPT = list(range(10, 74))  # four full blocks of 16

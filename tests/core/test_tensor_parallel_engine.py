@@ -19,9 +19,10 @@ from weight_transfer.test_weight_updates import assert_matches, trainer_model
 
 from siesta import LLM, SamplingParams
 from siesta.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from siesta.core.engine_core import EngineCore, EngineCoreRequest
+from siesta.core.engine_core import EngineCore
 from siesta.distributed.processes import RankFailed
 from siesta.model.loader import resolve_model
+from siesta.request import EngineCoreRequest
 from siesta.weight_transfer import WeightSender
 
 PROMPTS = [[3, 17, 42, 7, 99, 5, 250, 11, 64, 8, 1, 300, 77, 21, 9, 4, 123, 56, 31, 2], [5, 6, 7, 8, 9, 10, 11]]

@@ -117,6 +117,33 @@ def test_every_engine_flag_is_an_argument_of_llm(command):
     inspect.signature(LLM).bind(**kwargs)
 
 
+@pytest.mark.parametrize("command", [["generate", "hello"], ["serve"], ["bench", "resume"]])
+def test_the_engine_flags_are_declared_once(command):
+    # EngineFlags declares each flag's name and default; LLM, EngineConfig.from_flags and the command
+    # line take exactly those, with those defaults.
+    import dataclasses
+    import inspect
+
+    from siesta import LLM
+    from siesta.config import EngineConfig, EngineFlags
+    from siesta.entrypoints.engine_args import FLAGS, engine_kwargs
+
+    declared = {f.name: f.default for f in dataclasses.fields(EngineFlags)}
+    assert sorted(f.name for f in FLAGS) == sorted(declared)
+    llm = {p.name: p.default for p in inspect.signature(LLM).parameters.values()}
+    assert llm == declared
+    assert engine_kwargs(build_parser().parse_args(command)) == declared
+    assert EngineConfig.from_flags(**declared) == EngineConfig.from_flags()
+
+
+def test_the_flags_other_spellings_set_the_same_fields():
+    assert not _config(["serve", "--no-prefix-caching"]).cache.enable_prefix_caching
+    assert not _config(["serve", "--no-enable-prefix-caching"]).cache.enable_prefix_caching
+    assert _config(["serve", "-tp", "1"]).parallel.tensor_parallel_size == 1
+    assert not _config(["serve", "--no-enable-sleep-mode"]).enable_sleep_mode
+    assert _config(["serve"]).enable_sleep_mode
+
+
 def test_cpu_threads_and_the_fp32_head_are_flags():
     assert _config(["serve", "--cpu-threads", "3"]).cpu.threads == 3
     assert _config(["serve"]).cpu.threads is None

@@ -7,7 +7,7 @@ import torch
 
 from siesta import LLM, SamplingParams
 from siesta.config import ConfigError
-from siesta.core.engine_core import RequestRejected
+from siesta.control import RequestRejected
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -191,7 +191,7 @@ def test_bad_field_token_ids_are_refused_by_name(llm):
         llm.generate(FRANCE, SHORT.replace(logit_bias={vocab: 1.0}), use_tqdm=False)
     with pytest.raises(RequestRejected, match="^allowed_token_ids holds token id"):
         llm.generate(FRANCE, SHORT.replace(allowed_token_ids=[0, vocab + 5]), use_tqdm=False)
-    from siesta.core.engine_core import EngineCoreRequest
+    from siesta.request import EngineCoreRequest
 
     with pytest.raises(RequestRejected, match="bad_words were not tokenized"):  # the core has no tokenizer
         llm.engine.add_request(EngineCoreRequest("untokenized", [1, 2], SHORT.replace(bad_words=["x"])))

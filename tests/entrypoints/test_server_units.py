@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from siesta.core.engine_core import ConnectorRetentionError, EngineStateError, RequestRejected
+from siesta.control import ConnectorRetentionError, EngineStateError, RequestRejected
 from siesta.entrypoints.server.app import build_app
 from siesta.entrypoints.server.errors import APIError, error_type, status_for
 from siesta.entrypoints.server.limits import PromptLimit
@@ -163,7 +163,7 @@ class FakeCore:
         self.is_alive, self.dead_reason = True, None
         self.calls: list[tuple] = []
 
-    async def sleep(self, level=1, mode="abort", clear_connector_cache=True):
+    async def sleep(self, level=1, mode="abort", clear_connector_cache=True, tags=None):
         self.calls.append(("sleep", level, mode, clear_connector_cache))
         if not clear_connector_cache:
             raise ConnectorRetentionError(REFUSAL)

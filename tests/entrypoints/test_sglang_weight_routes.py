@@ -8,8 +8,7 @@ import logging
 import pytest
 from fastapi.testclient import TestClient
 
-from siesta.core.engine_core import EngineStateError
-from siesta.core.one_call_updates import OneCallResult
+from siesta.control import EngineStateError, OneCallResult
 from siesta.entrypoints.server.app import build_app
 from siesta.entrypoints.server.state import ServerConfig
 from siesta.ipc.protocol import EngineInfo

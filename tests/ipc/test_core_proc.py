@@ -6,7 +6,8 @@ import msgspec
 import pytest
 import zmq
 
-from siesta.core.engine_core import ConnectorRetentionError, EngineCoreOutputs, EngineStateError
+from siesta.control import ConnectorRetentionError, EngineStateError
+from siesta.core.engine_core import EngineCoreOutputs
 from siesta.ipc.core_proc import EngineCoreProc
 from siesta.ipc.protocol import (
     CallCodec,

@@ -10,9 +10,11 @@ import threading
 import pytest
 
 from siesta.config import CacheConfig, EngineConfig, ModelConfig
-from siesta.core.engine_core import EngineCore, EngineCoreRequest, EngineStateError, RequestRejected
+from siesta.control import EngineStateError, RequestRejected
+from siesta.core.engine_core import EngineCore
 from siesta.ipc.client import EngineCoreClient
 from siesta.ipc.remote_errors import EngineDeadError
+from siesta.request import EngineCoreRequest
 from siesta.sampling import SamplingParams
 
 MODEL = "random:tiny-llama"

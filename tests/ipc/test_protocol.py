@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from siesta.config import ConfigError
-from siesta.core.engine_core import ConnectorRetentionError, EngineCoreRequest, EngineStateError, RequestRejected
+from siesta.control import ConnectorRetentionError, EngineStateError, RequestRejected
 from siesta.ipc import protocol
 from siesta.ipc.protocol import (
     CallCodec,
@@ -22,7 +22,7 @@ from siesta.ipc.protocol import (
     WakeUp,
 )
 from siesta.ipc.remote_errors import EngineCoreError, UnsupportedCallError, from_remote, to_remote
-from siesta.request import EngineCoreOutput
+from siesta.request import EngineCoreOutput, EngineCoreRequest
 from siesta.sampling import SamplingParams
 
 CALLS = [c for c in vars(protocol).values() if isinstance(c, type) and issubclass(c, CoreCall) and c is not CoreCall]

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from siesta import LLM, SamplingParams
-from siesta.core.engine_core import ConnectorRetentionError
+from siesta.control import ConnectorRetentionError
 from siesta.kv.hashing import extend_block_hashes
 from siesta.tiers.base import DropReason
 from siesta.tiers.copy_feeder import CopyFeeder

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from siesta import LLM, SamplingParams
-from siesta.core.engine_core import EngineStateError, RequestRejected
+from siesta.control import EngineStateError, RequestRejected
 from siesta.model.random_init import RANDOM_SHAPES
 from siesta.weight_transfer import WeightSender, WeightTransferError
 from siesta.weight_transfer.sender import free_port

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from siesta.core.engine_core import EngineCoreRequest
 from siesta.entrypoints.server.prompts import TokenizedPrompt
 from siesta.entrypoints.server.sampling_params import child_params
 from siesta.ipc.client import EngineCoreClient, OutputStream
 from siesta.output_processor import OutputProcessor, RequestState
+from siesta.request import EngineCoreRequest
 from siesta.sampling import SamplingParams
 
 

@@ -163,7 +163,7 @@ async def skyrl_start_weight_update(state: ServerState, kwargs: dict[str, Any], 
 
 async def update_weights_backend(state: ServerState, kwargs: dict[str, Any], timeout_s: float) -> None:
     _only(kwargs, {"update_info"}, "update_weights_ipc")
-    await state.core.update_weights(None, None, _kwarg(kwargs, "update_info", dict))
+    await state.core.update_weights({"update_info": _kwarg(kwargs, "update_info", dict)})
 
 
 async def skyrl_finish_weight_update(state: ServerState, kwargs: dict[str, Any], timeout_s: float) -> None:

@@ -1,6 +1,8 @@
 """Control routes (dev mode only): sleep, wake up, pause, resume, caches, aborts.
 
-Names and defaults are the engine's; ``clear_connector_cache`` defaults to true everywhere.
+Names and defaults are siesta.control.EngineControl's (tests/test_control_surface.py holds them
+to it); ``clear_connector_cache`` defaults to true everywhere. ``sleep``'s ``tags`` narrows what
+it releases (``kv_cache``, ``weights``), as SGLang's release_memory_occupation does.
 A pause or sleep with ``mode=wait`` answers once the in-flight requests have finished.
 """
 
@@ -30,9 +32,13 @@ def _ok() -> Response:
 
 @router.post("/sleep")
 async def sleep(
-    request: Request, level: SleepLevel = 1, mode: PauseMode = "abort", clear_connector_cache: QueryBool = True
+    request: Request,
+    level: SleepLevel = 1,
+    mode: PauseMode = "abort",
+    clear_connector_cache: QueryBool = True,
+    tags: Annotated[list[WakeTag] | None, Query()] = None,
 ) -> Response:
-    await _core(request).sleep(level, mode, clear_connector_cache)
+    await _core(request).sleep(level, mode, clear_connector_cache, None if tags is None else list(tags))
     return _ok()
 
 

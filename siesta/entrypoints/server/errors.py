@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from siesta.brief import bounded
-from siesta.core.engine_core import EngineOverloaded, EngineStateError
+from siesta.control import EngineOverloaded, EngineStateError
 from siesta.entrypoints.server.jsonio import AsciiJSONResponse
 from siesta.ipc.remote_errors import EngineDeadError
 from siesta.weight_transfer.updater import UpdateFailed

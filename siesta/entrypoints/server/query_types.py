@@ -7,14 +7,18 @@ can never silently pick the default, say a cleared tier.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BeforeValidator
+
+from siesta.control import SLEEP_LEVELS, PauseMode, WakeTag
+
+__all__ = ["MAX_SLEEP_LEVEL", "MIN_SLEEP_LEVEL", "PauseMode", "QueryBool", "WakeTag", "parse_bool"]
 
 TRUE_VALUES = ("true", "True", "1")
 FALSE_VALUES = ("false", "False", "0")
 ACCEPTED = ("true", "false", "True", "False", "1", "0")
-MIN_SLEEP_LEVEL, MAX_SLEEP_LEVEL = 0, 2
+MIN_SLEEP_LEVEL, MAX_SLEEP_LEVEL = min(SLEEP_LEVELS), max(SLEEP_LEVELS)
 
 
 def parse_bool(value: Any) -> bool:
@@ -28,5 +32,3 @@ def parse_bool(value: Any) -> bool:
 
 
 QueryBool = Annotated[bool, BeforeValidator(parse_bool)]
-PauseMode = Literal["abort", "wait", "keep"]
-WakeTag = Literal["weights", "kv_cache"]

@@ -48,7 +48,8 @@ async def start_weight_update(request: Request, body: StartWeightUpdateRequest |
 async def update_weights(body: UpdateWeightsRequest, request: Request) -> dict[str, str]:
     if body.weight_dir is not None:
         return await primerl_routes.update_from_weight_dir(request, body.weight_dir)
-    version = await _core(request).update_weights(body.model_path, _version(body.weight_version), body.update_info)
+    weights = body.model_path if body.update_info is None else {"update_info": body.update_info}
+    version = await _core(request).update_weights(weights, _version(body.weight_version))
     return {"weight_version": version}
 
 
@@ -65,4 +66,4 @@ async def get_world_size(request: Request) -> dict[str, int]:
 
 @router.get("/weight_version")
 async def weight_version(request: Request) -> dict[str, str]:
-    return {"weight_version": (await _core(request).get_info()).weight_version}
+    return {"weight_version": await _core(request).get_weight_version()}
