@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -36,3 +37,19 @@ def replica_env() -> dict[str, str]:
 
 def gateway_config(**kwargs) -> GatewayConfig:
     return GatewayConfig(port=free_port(), **kwargs)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_gone(pids: list[int], timeout_s: float = 30.0) -> None:
+    """Until none of ``pids`` runs; fails naming what outlived its fleet."""
+    deadline = time.monotonic() + timeout_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in pids), f"processes outlived their fleet: {[p for p in pids if alive(p)]}"

@@ -8,12 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from fleet.fleets import REPLICA_ENV, SERVE_ARGS, requires_smg
+from fleet.fleets import REPLICA_ENV, SERVE_ARGS, requires_smg, wait_gone
 from siesta.fleet.gateway import free_port
 
 pytestmark = [requires_smg, pytest.mark.timeout(300)]
@@ -22,13 +21,6 @@ REPLICAS = 2
 START_S = 180.0
 HTTP_TIMEOUT_S = 60.0
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _replica_pids(fleet_pid: int) -> list[int]:
@@ -62,9 +54,6 @@ def test_siesta_fleet_serves_its_url_until_interrupted() -> None:
             if proc.poll() is None:
                 proc.kill()
     assert proc.returncode == 0, proc.stderr.read()[-4000:]
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in replicas) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(pid) for pid in replicas), "a replica outlived siesta fleet"
+    wait_gone(replicas)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{info['url']}/health", timeout=2)

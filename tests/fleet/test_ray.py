@@ -10,15 +10,13 @@ control call, and that stopping the fleet leaves no process and no placement gro
 
 from __future__ import annotations
 
-import os
-import time
 
 import httpx
 import pytest
 
-from fleet.fleets import SERVE_ARGS, gateway_config, requires_smg
-from siesta.bench.resume import metric_sum
+from fleet.fleets import SERVE_ARGS, gateway_config, requires_smg, wait_gone
 from siesta.bench.fleet_routing import replica_metrics
+from siesta.bench.resume import metric_sum
 from siesta.fleet.fleet import Fleet, FleetSpec
 from siesta.fleet.ray_replicas import bundles, ray_missing
 
@@ -57,13 +55,6 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in pairs}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
 
 def test_replicas_on_ray_serve_behind_the_gateway_and_leave_nothing(ray_cluster) -> None:
     from ray.util import placement_group_table
@@ -97,8 +88,5 @@ def test_replicas_on_ray_serve_behind_the_gateway_and_leave_nothing(ray_cluster)
             assert client.is_paused() == {i: False for i in range(REPLICAS)}
     finally:
         fleet.stop()
-    deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(pid) for pid in pids), "a replica outlived its fleet"
+    wait_gone(pids)
     assert placement_group_table(group)["state"] == "REMOVED"
