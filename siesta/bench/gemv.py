@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from siesta.bench.common import print_table, write_json
+from siesta.bench.kernel_timing import GRAPH_REPLAYS, US_PER_MS, US_PER_S, time_call, weight_copies
 from siesta.model.triton_gemv import GemvConfig, default_config, gemv
 
 DTYPE = torch.bfloat16
@@ -42,18 +42,9 @@ LAYERS = 32
 HIDDEN = 4096
 ROWS = (1, 2, 4, 8)
 CALLS_PER_GRAPH = 100
-GRAPH_REPLAYS = 5
-SMOKE_REPS = 2
-# One cycle through the weight copies must touch this many times the L2, and at
-# least MIN_BYTES_PER_CYCLE, so that no call finds its weight in L2.
-L2_MULTIPLE = 4
-MIN_BYTES_PER_CYCLE = 256 << 20
-MIN_COPIES = 2
 # Max |triton - cuBLAS| / max |cuBLAS| above which a config is wrong: both round an
 # fp32 sum to bf16 (2**-8 relative), in different orders.
 WRONG_ABOVE = 1e-2
-US_PER_MS = 1e3
-US_PER_S = 1e6
 TERA = 1e12
 
 
@@ -152,53 +143,13 @@ def _describe(config: GemvConfig) -> str:
     return f"{path} n{config.block_n} k{config.block_k} w{config.num_warps} s{config.num_stages} sk{config.split_k}"
 
 
-def _num_copies(weight_bytes: int, device: torch.device) -> int:
-    """Copies of one weight whose cycle overflows L2 enough that each call reads HBM."""
-    if device.type != "cuda":
-        return MIN_COPIES
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    target = max(L2_MULTIPLE * l2, MIN_BYTES_PER_CYCLE)
-    return max(MIN_COPIES, -(-target // weight_bytes))
-
-
-def _time_cuda(call: Callable[[int], object], copies: int) -> float:
-    """µs per ``call(copy)`` inside a CUDA graph cycling through the copies."""
-    for i in range(copies):  # compiles, cuBLAS heuristics and workspace: outside the capture
-        call(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS_PER_GRAPH):
-            call(i % copies)
-    graph.replay()  # first replay uploads the graph
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(GRAPH_REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * US_PER_MS / CALLS_PER_GRAPH)
-    del graph
-    return statistics.median(samples)
-
-
-def _time_cpu(call: Callable[[int], object], copies: int) -> float:
-    """µs per call on the CPU (smoke runs: the interpreter, so only a sanity figure)."""
-    call(0)
-    begin = time.perf_counter()
-    for i in range(SMOKE_REPS):
-        call(i % copies)
-    return (time.perf_counter() - begin) * US_PER_S / SMOKE_REPS
-
-
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     scale = ref.float().abs().max().clamp_min(torch.finfo(torch.float32).tiny)
     return ((out.float() - ref.float()).abs().max() / scale).item()
 
 
 def _time(call: Callable[[int], object], copies: int, device: torch.device) -> float:
-    return _time_cuda(call, copies) if device.type == "cuda" else _time_cpu(call, copies)
+    return time_call(call, copies, device, CALLS_PER_GRAPH)
 
 
 def _bench_triton(
@@ -248,7 +199,7 @@ def _weights(shape: Shape, dtype: torch.dtype, device: torch.device) -> list[tor
     weight_bytes = shape.n * shape.k * torch.finfo(dtype).bits // 8
     return [
         (torch.randn((shape.n, shape.k), device=device) * scale).to(dtype)
-        for _ in range(_num_copies(weight_bytes, device))
+        for _ in range(weight_copies(weight_bytes, device))
     ]
 
 

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from siesta.bench.common import print_table, write_json
+from siesta.bench.kernel_timing import time_call, weight_copies
 from siesta.model.triton_matmul import config_for, matmul
 
 HIDDEN = 4096
@@ -38,12 +36,6 @@ ROWS = (1, 64, 256, 8192)
 SMOKE_SHAPES = (("qkv", 48, 96), ("lm_head", 40, 72))
 SMOKE_ROWS = (1, 3)
 CALLS_PER_GRAPH = 20
-GRAPH_REPLAYS = 5
-# One cycle through the weight copies touches this many times the L2: no call finds its weight there.
-L2_MULTIPLE = 4
-MIN_COPIES = 2
-US_PER_MS = 1e3
-US_PER_S = 1e6
 
 
 @dataclass
@@ -60,41 +52,9 @@ class Result:
     row_bits_as_alone: bool
 
 
-def _copies(weight_bytes: int, device: torch.device) -> int:
-    if device.type != "cuda":
-        return MIN_COPIES
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    return max(MIN_COPIES, -(-L2_MULTIPLE * l2 // weight_bytes))
-
-
-def _time(call: Callable[[int], object], copies: int, device: torch.device) -> float:
-    """µs per ``call(copy)``: inside a CUDA graph on CUDA, a plain loop on the CPU (smoke only)."""
-    for i in range(copies):  # compiles and cuBLAS's heuristics outside the capture
-        call(i)
-    if device.type != "cuda":
-        begin = time.perf_counter()
-        call(0)
-        return (time.perf_counter() - begin) * US_PER_S
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS_PER_GRAPH):
-            call(i % copies)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(GRAPH_REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * US_PER_MS / CALLS_PER_GRAPH)
-    return statistics.median(samples)
-
-
 def bench(name: str, n: int, k: int, rows: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[Result]:
     weight_bytes = n * k * torch.finfo(dtype).bits // 8
-    weights = [(torch.randn(n, k, device=device) * k**-0.5).to(dtype) for _ in range(_copies(weight_bytes, device))]
+    weights = [(torch.randn(n, k, device=device) * k**-0.5).to(dtype) for _ in range(weight_copies(weight_bytes, device))]
     first_row = torch.randn(1, k, device=device).to(dtype)
     alone = matmul(first_row, weights[0])
     results = []
@@ -102,8 +62,8 @@ def bench(name: str, n: int, k: int, rows: tuple[int, ...], dtype: torch.dtype, 
         x = torch.cat([first_row, torch.randn(m - 1, k, device=device).to(dtype)])
         ref = F.linear(x, weights[0]).float()
         out = matmul(x, weights[0])
-        cublas = _time(lambda i: F.linear(x, weights[i]), len(weights), device)
-        invariant = _time(lambda i: matmul(x, weights[i]), len(weights), device)
+        cublas = time_call(lambda i: F.linear(x, weights[i]), len(weights), device, CALLS_PER_GRAPH)
+        invariant = time_call(lambda i: matmul(x, weights[i]), len(weights), device, CALLS_PER_GRAPH)
         err = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
         results.append(Result(name, n, k, m, asdict(config_for(n, k, dtype)), cublas, invariant, invariant / cublas,
                               err, torch.equal(out[0], alone[0])))  # fmt: skip

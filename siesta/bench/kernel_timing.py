@@ -1,0 +1,68 @@
+"""Timing one kernel call as a decode step meets it: its weight read from HBM, not L2, and the
+launch inside a CUDA graph (``bench.gemv``, ``bench.invariant_matmul``).
+
+The caller makes ``weight_copies`` copies of the weight and times ``call(i)``, which uses copy
+``i``: one cycle through the copies overflows L2 several times, so no call finds its weight
+there. On the CPU (smoke runs under Triton's interpreter) the figure is only a sanity check.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+GRAPH_REPLAYS = 5
+SMOKE_REPS = 2
+# One cycle through the weight copies must touch this many times the L2, and at least
+# MIN_BYTES_PER_CYCLE, so that no call finds its weight in L2.
+L2_MULTIPLE = 4
+MIN_BYTES_PER_CYCLE = 256 << 20
+MIN_COPIES = 2
+US_PER_MS = 1e3
+US_PER_S = 1e6
+
+
+def weight_copies(weight_bytes: int, device: torch.device) -> int:
+    """Copies of one weight whose cycle overflows L2 enough that each call reads HBM."""
+    if device.type != "cuda":
+        return MIN_COPIES
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    target = max(L2_MULTIPLE * l2, MIN_BYTES_PER_CYCLE)
+    return max(MIN_COPIES, -(-target // weight_bytes))
+
+
+def time_call(call: Callable[[int], object], copies: int, device: torch.device, calls_per_graph: int) -> float:
+    """µs per ``call(copy)``: the median over replays of a CUDA graph cycling through the copies."""
+    return _time_cuda(call, copies, calls_per_graph) if device.type == "cuda" else _time_cpu(call, copies)
+
+
+def _time_cuda(call: Callable[[int], object], copies: int, calls_per_graph: int) -> float:
+    for i in range(copies):  # compiles, cuBLAS heuristics and workspace: outside the capture
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls_per_graph):
+            call(i % copies)
+    graph.replay()  # the first replay uploads the graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(GRAPH_REPLAYS):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * US_PER_MS / calls_per_graph)
+    del graph
+    return statistics.median(samples)
+
+
+def _time_cpu(call: Callable[[int], object], copies: int) -> float:
+    call(0)
+    begin = time.perf_counter()
+    for i in range(SMOKE_REPS):
+        call(i % copies)
+    return (time.perf_counter() - begin) * US_PER_S / SMOKE_REPS
