@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -67,3 +68,35 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2))
         print(f"\nwrote {path}")
+
+
+# What a part's line in the log keeps: enough to read it back should a command limit cut the
+# section before its JSON is written. Long lists (timelines, per-request latencies) are counted.
+PART_LOG_CHARS = 8000
+PART_LOG_LIST_ITEMS = 8
+
+
+def _compact(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _compact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return f"[{len(value)} items]" if len(value) > PART_LOG_LIST_ITEMS else [_compact(v) for v in value]
+    return value
+
+
+def log_part(section: str, part: str, value: Any) -> None:
+    """One part of a long section, printed as it finishes (long lists counted, not listed)."""
+    print(f"[{section}.{part}] {json.dumps(_compact(value), default=str)[:PART_LOG_CHARS]}", flush=True)
+
+
+def release_memory() -> None:
+    """Give back what engines that are gone held: device memory, and the pinned host memory that
+    torch's caching host allocator keeps after a tier's buffer is freed (a bench that makes
+    engines one after another, or starts a server after them, would otherwise hold every tier
+    it ever pinned: 48 GiB each at the seed's scale)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch >= 2.5
+        if host_empty is not None:
+            host_empty()

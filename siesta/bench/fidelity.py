@@ -15,7 +15,6 @@ small models in fp32 (``tests/bench/test_fidelity.py``).
 
 from __future__ import annotations
 
-import gc
 import json
 import random
 import tempfile
@@ -26,6 +25,8 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from siesta.bench.common import release_memory
 
 BUCKETS = ((1, 64), (64, 256), (256, 1024), (1024, 4096), (4096, 8192), (8192, 16384), (16384, 32768))
 REF_CHUNK_ROWS = 2048  # rows of logits a reference takes at a time: [rows, vocab] in fp32
@@ -191,7 +192,7 @@ def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int
             runs[f"push_batch{batch}"] = engine_scores(llm, prompts)
         probed = probe(llm) if probe is not None else None
         del llm
-        _free()
+        release_memory()
         if checkpoint:
             saved = torch.bfloat16 if engine_dtype == "bfloat16" else torch.float32
             # The trainer's weights as it would save them, the trainer itself left in fp32.
@@ -199,17 +200,17 @@ def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int
             llm = LLM(str(Path(tmp) / "ckpt"), **kw)
             runs["checkpoint_batch1"] = engine_scores(llm, prompts[:1])
             del llm
-            _free()
+            release_memory()
     engine_s = time.perf_counter() - t0
     # References on each run's own tokens (the decoded ones may differ between runs).
     seqs = {tuple(s.ids) for scored in runs.values() for s in scored}
     ref = {ids: token_logprobs(trainer, list(ids)) for ids in seqs}
     twin = bf16_twin(trainer, config)
     del trainer
-    _free()
+    release_memory()
     floor = {ids: token_logprobs(twin, list(ids)) for ids in seqs}
     del twin
-    _free()
+    release_memory()
     out: dict[str, Any] = {"shape": name, "long_prompt": long_len, "engine_dtype": engine_dtype, "head_fp32": head_fp32,
                            "engine_s": engine_s, "total_s": time.perf_counter() - t0}  # fmt: skip
     if probed is not None:
@@ -222,11 +223,6 @@ def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int
             s.prompt_lp for s in runs["checkpoint_batch1"]]  # fmt: skip
     return out
 
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def summary_rows(results: dict[str, Any]) -> list[list[Any]]:

@@ -17,12 +17,12 @@ side by side in one run (Llama-3-8B's shape by default).
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from typing import Any
 
 import torch
 
+from siesta.bench.common import log_part, release_memory
 from siesta.bench.steps import decode_step_s
 
 FP8 = "fp8"
@@ -30,11 +30,6 @@ AUTO = "auto"
 DTYPES = (AUTO, FP8)
 CAPACITY_UTILIZATION = 0.9
 
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _with(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
@@ -55,14 +50,18 @@ def capacity_and_decode(args: argparse.Namespace, kv_cache_dtype: str) -> dict[s
         dt = decode_step_s(llm, batch, context, args.decode_steps)
         out[f"decode_b{batch}_ctx{context}"] = {"step_ms": dt * 1e3, "tok_s": batch / dt}
     del llm
-    _free()
+    release_memory()
     return out
 
 
 def resume_both(args: argparse.Namespace) -> dict[str, Any]:
     from siesta.bench.gpu import resume
 
-    runs = {dtype: resume(_with(args, kv_cache_dtype=dtype, resume_variants=False)) for dtype in DTYPES}
+    runs = {}
+    for dtype in DTYPES:  # one engine at a time: each pins its own host tier
+        runs[dtype] = resume(_with(args, kv_cache_dtype=dtype, resume_variants=False))
+        log_part("fp8", f"resume.{dtype}", runs[dtype])
+        release_memory()
     cleared = runs[AUTO]["cleared"]["replay_p50_s"]
     return {"runs": runs, "fp8_kept_vs_bf16_cleared": cleared / runs[FP8]["kept"]["replay_p50_s"],
             "bf16_kept_vs_bf16_cleared": runs[AUTO]["speedup_p50"],
@@ -110,7 +109,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - one part's failure is reported, the rest still run
             out[name] = {"error": f"{type(e).__name__}: {e}"}
         out[f"{name}_s"] = time.perf_counter() - t0
-        _free()
+        log_part("fp8", name, out[name])
+        release_memory()
     return out
 
 

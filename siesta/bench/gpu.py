@@ -406,6 +406,11 @@ def seed_line(args: argparse.Namespace) -> dict[str, Any]:
         out[shape] = seed.run(args.resume_requests, args.http_prompt_words, shape=shape,
                               tokenizer=args.http_tokenizer, extra_flags=extra)  # fmt: skip
         gc.collect()
+        if args.seed_line_invariant_arm:
+            out[f"{shape}+{seed.INVARIANT_ENV_LABEL}"] = seed.run(
+                args.resume_requests, args.http_prompt_words, shape=shape, tokenizer=args.http_tokenizer,
+                extra_flags=extra, env=seed.INVARIANT_ENV)  # fmt: skip
+            gc.collect()
     return out
 
 
@@ -969,6 +974,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seed_line: the random shapes served as $MODEL, one server each")
     ap.add_argument("--seed-line-extra", default=None,
                     help="seed_line: flags after the seed's (CPU test runs only: the GPU run adds none)")
+    ap.add_argument("--seed-line-invariant-arm", action=argparse.BooleanOptionalAction, default=False,
+                    help="seed_line: each shape again with VLLM_BATCH_INVARIANT=1 (what the kept arm stores then)")
     ap.add_argument("--tp-sizes", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="tensor_parallel: sizes to run (default 1, 2, 4, ... up to the GPUs here)")
     ap.add_argument("--tp-models", type=lambda s: s.split(","), default=["random:llama-3-8b", "random:llama-3-70b"],

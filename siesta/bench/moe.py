@@ -17,12 +17,12 @@ random weights, bf16) as the dense sections measure the 8B.
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from typing import Any
 
 import torch
 
+from siesta.bench.common import log_part, release_memory
 from siesta.bench.steps import HBM_BYTES_PER_S, decode_step_s, sync
 
 BF16_PEAK_FLOPS = 989e12
@@ -102,9 +102,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base = {"dtype": "bfloat16", "max_model_len": args.max_model_len, "device": args.device, "max_num_seqs": 256}
     llm = LLM(args.moe_model, **base, gpu_memory_utilization=0.85, max_num_batched_tokens=args.moe_prefill_tokens)
     out["decode"] = decode(llm, args.decode_batches, args.decode_context, args.decode_steps)
+    log_part("moe", "decode", out["decode"])
     out["prefill"] = prefill(llm, args.moe_prefill_tokens)
+    log_part("moe", "prefill", out["prefill"])
     del llm
-    _free()
+    release_memory()
     for name, step in (("fidelity", lambda: fidelity(args.moe_check_shape, args.moe_check_layers,
                                                       args.moe_check_tokens, device)),
                        ("resume", lambda: _resume(args)), ("weight_transfer", lambda: _push(args))):  # fmt: skip
@@ -116,7 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - one part's failure is reported, the rest still run
             out[name] = {"error": f"{type(e).__name__}: {e}"}
         out[f"{name}_s"] = time.perf_counter() - t0
-        _free()
+        log_part("moe", name, out[name])
+        release_memory()
     return out
 
 
@@ -148,8 +151,3 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
         rows.append(["MoE resume kept vs cleared (p50)", res["resume"]["speedup_p50"], ""])
     return rows
 
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

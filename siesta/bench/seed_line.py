@@ -35,6 +35,12 @@ SEED_FLAGS = [
      '"kv_connector_extra_config":{"block_size":128,"cpu_bytes_to_use":34359738368}}'),
 ]  # fmt: skip
 SEED_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+# The diagnostic arm's environment: the same line with vLLM's batch-invariant switch. Blocks the
+# kept replay stores are blocks of decoded tokens whose greedy picks differ from the first burst's
+# (random weights leave near-ties that a batch's other rows can flip); batch-invariant numerics
+# make the replay pick what the first burst picked, so then it stores nothing.
+INVARIANT_ENV = {"VLLM_BATCH_INVARIANT": "1"}
+INVARIANT_ENV_LABEL = "VLLM_BATCH_INVARIANT=1"
 # The line's host tier (its cpu_bytes_to_use): 32 GiB.
 SEED_TIER_BYTES = json.loads(SEED_FLAGS[SEED_FLAGS.index("--kv-transfer-config") + 1])["kv_connector_extra_config"][
     "cpu_bytes_to_use"]
@@ -96,11 +102,12 @@ def kv_bytes_per_token(shape: str) -> int:
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * 2
 
 
-def measure(line: SeedLine, requests: int, prompt_words: int) -> dict[str, Any]:
+def measure(line: SeedLine, requests: int, prompt_words: int, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Start the seed's server, run the seed's client, stop: its JSON and the kept replay's steps."""
+    env = SEED_ENV | (env or {})
     with tempfile.TemporaryDirectory(prefix="siesta-seed-line-") as tmp:
         trace = Path(tmp) / "steps.jsonl"
-        with ServerProcess(line, env=SEED_ENV | {STEP_TRACE_ENV: str(trace)}) as server:
+        with ServerProcess(line, env=env | {STEP_TRACE_ENV: str(trace)}) as server:
             try:
                 seed = run_seed_client(server.url, requests, prompt_words)
             except BaseException:
@@ -110,16 +117,16 @@ def measure(line: SeedLine, requests: int, prompt_words: int) -> dict[str, Any]:
     speedup = seed["cleared"]["replay_p50_s"] / seed["kept"]["replay_p50_s"]
     stored = {k: v for k, v in seed["kept"]["metric_delta"].items() if "store_bytes" in k}
     return {"seed_client": seed, "speedup_p50": speedup, "kept_store_bytes": stored, "kept_replay_steps": kept_steps,
-            "server_startup_s": server.startup_s, "command": line.command(server.port), "env": SEED_ENV}  # fmt: skip
+            "server_startup_s": server.startup_s, "command": line.command(server.port), "env": env}  # fmt: skip
 
 
 def run(requests: int, prompt_words: int, shape: str = "llama-3-8b", tokenizer: str | Path = DEFAULT_TOKENIZER,
-        extra_flags: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+        extra_flags: list[str] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
     from siesta.bench.resume_http import seed_prompt_tokens
 
     with tempfile.TemporaryDirectory(prefix="siesta-seed-model-") as folder:
         line = SeedLine(model_folder(shape, tokenizer, Path(folder)), extra_flags or [])
-        out = measure(line, requests, prompt_words)
+        out = measure(line, requests, prompt_words, env)
     burst = requests * seed_prompt_tokens(str(tokenizer), prompt_words) * kv_bytes_per_token(shape)
     out["burst_kv"] = {"GiB": burst / 2**30, "tier_GiB": SEED_TIER_BYTES / 2**30, "fits": burst <= SEED_TIER_BYTES,
                        "bytes_per_token": kv_bytes_per_token(shape)}  # fmt: skip

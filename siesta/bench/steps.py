@@ -12,6 +12,7 @@ from siesta.bench.common import random_prompts
 
 HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200
 TOP_KERNELS = 8
+WARM_STEPS = 3  # decode steps after the last prefill, before timing
 
 
 def sync() -> None:
@@ -21,16 +22,25 @@ def sync() -> None:
 
 def start_decoding(llm, batch: int, context: int, steps: int) -> list[str]:
     """``batch`` greedy requests of ``context`` random tokens, prefilled and a few steps into
-    decoding, with room for ``steps`` more."""
+    decoding, each with room for ``steps`` more: every row is still decoding when they are timed.
+
+    Chunked prefill decodes the rows prefilled first while later ones still prefill, so each
+    request's budget covers those steps too (at most one per ``max_num_batched_tokens`` of the
+    batch's prompts, plus one per request that a step's budget cuts)."""
     from siesta import SamplingParams
 
     vocab = llm.engine.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    prefill_steps = -(-batch * context // llm.config.scheduler.max_num_batched_tokens) + batch
+    params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + WARM_STEPS + 8, ignore_eos=True)
     ids = [llm.add_request({"prompt_token_ids": p}, params) for p in random_prompts(batch, context, context, vocab, 7)]
-    while any(r.num_output_tokens == 0 for r in llm.engine.scheduler.requests.values()):
+    requests = llm.engine.scheduler.requests
+    while any(r.num_output_tokens == 0 for r in requests.values()):
         llm.step()
-    for _ in range(3):
+    for _ in range(WARM_STEPS):
         llm.step()
+    live = [rid for rid in ids if rid in requests]
+    if len(live) != batch:
+        raise RuntimeError(f"{batch - len(live)} of {batch} rows finished before the timed steps")
     return ids
 
 
