@@ -8,16 +8,22 @@ of 64 differed from the first decode step (``bench/results/gpu-h100-2026-12-06-r
 
 What makes this kernel invariant:
 
-* One tile config per ``(N, K, dtype)`` (``config_for``), never a function of M: the same
-  BLOCK_M x BLOCK_N x BLOCK_K tile, warps and instruction shape for a 1-row decode and an
-  8k-row prefill.
-* Each output element is reduced by one program, over K in BLOCK_K chunks taken in order from
-  k = 0, each chunk one ``tl.dot`` into the same fp32 accumulator: no split-K, no atomics, no
-  second pass. The K tail is masked to zeros in both operands (adds exact zeros), and whether
-  there is a tail depends on K alone.
+* A row's bits are fixed by the reduction alone: each output element is reduced by one program,
+  over K in BLOCK_K chunks taken in order from k = 0, each chunk one ``tl.dot`` (its k16 MMA steps
+  in order) into the same fp32 accumulator: no split-K, no atomics, no second pass. BLOCK_K is one
+  value per dtype (``HALF_BLOCK_K``, ``FP32_BLOCK_K``) for every row count. The K tail is masked to
+  zeros in both operands (adds exact zeros), and whether there is a tail depends on K alone.
+* The tile's rows and columns (BLOCK_M x BLOCK_N, warps, pipeline stages) only decide which
+  outputs a program computes, so they may follow M (``config_for``): small tiles for decode, whose
+  few rows need many column tiles to spread the weight reads over the SMs, large ones for prefill.
+  That the tile leaves an element's sum alone is the MMA's property (an element's k16 dot is the
+  same datapath whatever the instruction's M and N), measured rather than proven: on an H100,
+  tiles of 64 or 128 rows, 32 to 256 columns, 4 or 8 warps, 3 or 4 stages gave every Llama-3-8B
+  matrix the same bits at M = 1, 64, 256 and 8192 (``python -m siesta.bench.invariant_matmul
+  --candidates ...``, ``bench/results/gpu-h100-2026-12-06-run47h-*``), and the GPU tests hold a
+  row to its bits across every bucket of ``config_for``.
 * Rows are independent: a tensor-core MMA computes each output row from its own row of x alone,
-  whatever row of the tile it sits in; rows past M are masked to zeros and never stored. So a
-  row's result does not depend on M, on its position, or on the rows around it.
+  whatever row of the tile it sits in; rows past M are masked to zeros and never stored.
 * ``M`` is not specialised (``do_not_specialize``): Triton would otherwise compile other
   variants for M == 1 or M % 16 == 0. What it does specialise on (pointer and stride alignment)
   changes how tiles are loaded (cp.async vectors or plain loads), never the MMA or its order.
@@ -25,17 +31,14 @@ What makes this kernel invariant:
 Which program computes which tile (the grouped order that keeps W tiles in L2) does depend on M;
 it moves work between SMs, never the arithmetic of an element.
 
-Cost against cuBLAS, not measured yet (no GPU since it was written): ``bash bench/gpu.sh
---sections deterministic`` gives decode b1/b64/b256 and an 8k prefill for each mode, and
-``python -m siesta.bench.invariant_matmul`` each Llama-3-8B matrix at M = 1, 64, 256, 8192.
-vLLM reports -0.6% to -20% end to end for its persistent version of the same idea (128x128x64
-tiles). Expected here, bf16: at decode the kernel is bound by the weight reads, as cuBLAS is,
-but an N=4096 matrix (o_proj, down) has only 32 column tiles, so 32 SMs stream it where cuBLAS
-spreads it wider: o_proj and down maybe 1.2-1.6x slower at M=1, gate_up and the LM head (224
-and 1002 tiles) near even. At prefill a 64x128 tile on one warpgroup reaches less of the tensor
-cores' rate than cuBLAS's larger tiles: the linears maybe 1.2-1.4x slower. BLOCK_N per shape is
-the lever if the figures disagree (wider for prefill, narrower for decode parallelism): any
-value is invariant as long as it is chosen from (N, K, dtype) only.
+Cost against cuBLAS, end to end (``bash bench/gpu.sh --sections deterministic``, run 47d on an
+H100, Llama-3-8B shape, with the single 64x128 tile this module had then): +37.5 % at decode b1,
++27.1 % at b64, +50.7 % at b256, +72.7 % on an 8k prefill, every case bit-identical. Per matrix
+(``python -m siesta.bench.invariant_matmul``, run 47h) that tile ran o_proj and down at 1.6-1.7x
+cuBLAS at one row (32 column tiles for N=4096) and every matrix at 1.7-1.9x at 8k rows; the
+tiles ``config_for`` now picks ran them at 1.3-1.4x in the same run. The end-to-end figure with
+these tiles is still to be measured. vLLM reports -0.6 % to -20 % end to end for its persistent
+version of the same idea; SGLang ~34 %.
 
 Launches never synchronise with the host and allocate only the output: CUDA graphs capture them.
 """
@@ -78,23 +81,40 @@ class MatmulConfig:
             raise ValueError(f"MatmulConfig blocks must be >= {DOT_MIN} (tl.dot's minimum), got {self}")
 
 
-# bf16/fp16: one warpgroup on a 64x128 tile (Hopper's wgmma m64n128k16), 4 stages of 24 KiB in
-# shared memory. 64 rows, not 128: at decode (M <= 64) no MMA work is wasted on padding rows,
-# which at 128 rows would cap an SM's rate below what its share of HBM bandwidth delivers.
-HALF_CONFIG = MatmulConfig(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=4, num_stages=4)
+# The reduction chunk: fixed per dtype, for every row count (it orders a row's sum).
+HALF_BLOCK_K = 64
+FP32_BLOCK_K = 32
+# bf16/fp16 tiles by row count (run 47h, H100, Llama-3-8B's matrices against cuBLAS):
+# - decode (M <= 64): 64x32, 4 warps: N=4096 gives 128 column tiles to stream the weights (the
+#   64x128 tile left 32 and ran o_proj and down 1.6-1.7x cuBLAS; 64x32 runs them 1.3-1.4x);
+# - up to 512 rows: 64x128, 4 warps, or 128x128 on 8 warps for wide N (gate_up, the head);
+# - prefill: 128x128 on 8 warps, 128x256 where K or N is large (down, the head): 1.3-1.4x cuBLAS
+#   where the single 64x128 tile ran 1.7-1.9x.
+DECODE_ROWS = 64
+MID_ROWS = 512
+WIDE_N = 16384
+LONG_K = 8192
+HUGE_N = 65536
+HALF_DECODE = MatmulConfig(block_m=64, block_n=32, block_k=HALF_BLOCK_K, group_m=8, num_warps=4, num_stages=4)
+HALF_MID = MatmulConfig(block_m=64, block_n=128, block_k=HALF_BLOCK_K, group_m=8, num_warps=4, num_stages=4)
+HALF_MID_WIDE = MatmulConfig(block_m=128, block_n=128, block_k=HALF_BLOCK_K, group_m=8, num_warps=8, num_stages=3)
+HALF_PREFILL = MatmulConfig(block_m=128, block_n=128, block_k=HALF_BLOCK_K, group_m=8, num_warps=8, num_stages=3)
+HALF_PREFILL_LARGE = MatmulConfig(block_m=128, block_n=256, block_k=HALF_BLOCK_K, group_m=8, num_warps=8,
+                                  num_stages=3)  # fmt: skip
 # fp32 (``--head-dtype float32``'s LM head, fp32 models): IEEE products on the CUDA cores (no
-# TF32, whose 10-bit mantissa would be worse than cuBLAS's fp32), so smaller tiles.
-FP32_CONFIG = MatmulConfig(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=3)
+# TF32, whose 10-bit mantissa would be worse than cuBLAS's fp32), so smaller tiles; one for all M.
+FP32_CONFIG = MatmulConfig(block_m=64, block_n=64, block_k=FP32_BLOCK_K, group_m=8, num_warps=4, num_stages=3)
 
 
-def config_for(n: int, k: int, dtype: torch.dtype) -> MatmulConfig:
-    """The one config of ``[*, k] @ [n, k].T`` in ``dtype``. Never takes M: that is the invariance.
-
-    ``n`` and ``k`` are in the signature so that per-shape tuning needs no change of callers.
-    """
-    del n, k  # one config per dtype until the GPU figures say otherwise
+def config_for(n: int, k: int, m: int, dtype: torch.dtype) -> MatmulConfig:
+    """The tile of ``[m, k] @ [n, k].T`` in ``dtype``. Its BLOCK_K, which orders every sum, is the
+    dtype's alone; the rest follows the shape, M included (see the module's docstring)."""
     if dtype in _HALF_TYPES:
-        return HALF_CONFIG
+        if m <= DECODE_ROWS:
+            return HALF_DECODE
+        if m <= MID_ROWS:
+            return HALF_MID_WIDE if n >= WIDE_N else HALF_MID
+        return HALF_PREFILL_LARGE if k >= LONG_K or n >= HUGE_N else HALF_PREFILL
     if dtype == torch.float32:
         return FP32_CONFIG
     raise ValueError(f"invariant matmul takes {SUPPORTED_DTYPES}, got {dtype}")
@@ -179,7 +199,7 @@ def matmul(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    config = config or config_for(n, k, x.dtype)
+    config = config or config_for(n, k, m, x.dtype)
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _matmul_kernel[grid](
         x, weight, bias if bias is not None else x, out,  # bias is never read without HAS_BIAS

@@ -5,8 +5,9 @@
   fp16 outputs may also be rounded once more (``2**-11`` of the value).
 * Invariance: a row's bits (``torch.equal``) alone, among 2..129 other rows at the start, middle
   and end of the batch, beside rows of NaN and of huge values, across row tiles (M = 64, 65, 130)
-  and with N and K no multiple of the tiles: on the default config and on a small one whose tiles
-  the shapes here cross many times.
+  and across ``config_for``'s row buckets (M = 513: other tile shapes, the same BLOCK_K), with N and
+  K no multiple of the tiles: on the default configs and on a small one whose tiles the shapes
+  here cross many times.
 * Dispatch: in deterministic mode on CUDA every ``layers.linear`` takes the kernel; on the CPU
   and in the default mode nothing changes (``use_invariant_matmul``, and ``linear`` routed through
   a spy).
@@ -49,7 +50,8 @@ UNIT_ROUNDING = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat1
 SMALL = MatmulConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
 # (N, K): both ragged; ragged N over an even K (no K tail); K shorter than one chunk.
 SHAPES = ((200, 150), (77, 128), (45, 24))
-BATCHES = (1, 3, 17, 64, 65, 130)
+# Across config_for's row buckets too (decode <= 64 < mid <= 512 < prefill).
+BATCHES = (1, 3, 17, 64, 65, 130, 513)
 TARGETS = 3  # rows whose bits are followed through every batch
 
 
@@ -164,14 +166,12 @@ def test_a_rows_bits_do_not_depend_on_its_batch(dtype: torch.dtype, with_bias: b
             assert torch.equal(out[at], alone[row]), f"M={m}: row {row} at {at} differs from its M=1 bits"
 
 
-def test_the_config_does_not_take_the_row_count() -> None:
-    """``config_for`` is a function of (N, K, dtype): its signature has no M to follow."""
-    import inspect
-
-    assert list(inspect.signature(config_for).parameters) == ["n", "k", "dtype"]
+def test_every_row_bucket_reduces_in_the_same_order() -> None:
+    """``config_for`` may change the tile with M, never BLOCK_K: the order of a row's sum."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        config = config_for(4096, 4096, dtype)
-        assert config.block_m in (64, 128) and config.block_k >= 32
+        chunks = {config_for(n, k, m, dtype).block_k for m in (1, 64, 65, 512, 513, 8192)
+                  for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))}  # fmt: skip
+        assert len(chunks) == 1, (dtype, chunks)
 
 
 # ---------------------------------------------------------------------------- dispatch
@@ -270,11 +270,15 @@ def test_a_rows_log_softmax_bits_do_not_depend_on_its_index_cuda(deterministic, 
 
 @GPU_ONLY
 def test_bf16_rows_are_invariant_and_near_cublas_cuda() -> None:
-    """Llama-3-8B's o_proj in bf16: a decode row's bits alone and among 255 others, and the
-    result within bf16 rounding of cuBLAS."""
-    weight = _rand((4096, 4096), torch.bfloat16, seed=1, scale=4096**-0.5)
-    x = _rand((256, 4096), torch.bfloat16, seed=2)
-    out = matmul(x, weight)
-    assert torch.equal(matmul(x[100:101].contiguous(), weight)[0], out[100])
-    ref = torch.nn.functional.linear(x, weight).float()
+    """Llama-3-8B's o_proj and down in bf16: a row's bits alone and among others in every row
+    bucket of ``config_for`` (64, 256 and 1,024 rows: three tile shapes), and the result within
+    bf16 rounding of cuBLAS."""
+    for n, k in ((4096, 4096), (4096, 14336)):
+        weight = _rand((n, k), torch.bfloat16, seed=1, scale=k**-0.5)
+        x = _rand((1024, k), torch.bfloat16, seed=2)
+        alone = matmul(x[40:41].contiguous(), weight)[0]
+        for m in (64, 256, 1024):
+            assert torch.equal(matmul(x[:m].contiguous(), weight)[40], alone), (n, k, m)
+    out = matmul(x[:256].contiguous(), weight)
+    ref = torch.nn.functional.linear(x[:256], weight).float()
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1.6e-2
