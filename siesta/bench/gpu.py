@@ -861,18 +861,20 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
             node = node[p]
         return node
 
-    rows.append(["max |logprob diff| vs transformers", get("correctness", "max_abs_logprob_diff"), "bf16 tolerance"])
-    for b in (1, 16, 64, 256):
+    if "correctness" in results:
+        rows.append(["max |logprob diff| vs transformers", get("correctness", "max_abs_logprob_diff"), "bf16 tolerance"])
+    for b in (1, 16, 64, 256) if "decode" in results else ():
         sync = get("decode", f"graphs_sync_batch{b}", "tok_s", default=0) or 0
         rows.append([f"decode b{b} tok/s", get("decode", f"graphs_batch{b}", "tok_s"),
                      f"{get('decode', f'graphs_batch{b}', 'of_roofline', default=0) or 0:.0%} of HBM roofline; "
                      f"{sync:,.0f} without async scheduling"])  # fmt: skip
-    for n in (2048, 8192):
+    for n in (2048, 8192) if "prefill" in results else ():
         rows.append([f"prefill {n} tok/s", get("prefill", f"tokens{n}", "tok_s"),
                      f"MFU {get('prefill', f'tokens{n}', 'mfu', default=0) or 0:.0%}"])  # fmt: skip
-    rows.append(["resume kept vs cleared (p50 speedup)", get("resume", "speedup_p50"),
-                 f"goal >= 18x; {get('resume', 'speedup_p50_eager_mixed', default=0) or 0:.1f}x with eager mixed steps, "
-                 f"{get('resume', 'speedup_p50_kept_sync', default=0) or 0:.1f}x kept without async scheduling"])
+    if "resume" in results:
+        rows.append(["resume kept vs cleared (p50 speedup)", get("resume", "speedup_p50"),
+                     f"goal >= 18x; {get('resume', 'speedup_p50_eager_mixed', default=0) or 0:.1f}x with eager mixed "
+                     f"steps, {get('resume', 'speedup_p50_kept_sync', default=0) or 0:.1f}x kept without async scheduling"])
     if isinstance(results.get("deterministic"), dict) and "cost" in results["deterministic"]:
         cost = results["deterministic"]["cost"]
         rows.append(["deterministic mode cost (decode b1 / b64 / b256, prefill)",
@@ -899,33 +901,38 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
         rows.append(["link GB/s while loading, HTTP / in process",
                      f"{get('resume_http', 'link_gbps_http', default=0) or 0:.1f} / "
                      f"{get('resume_http', 'link_gbps_in_process', default=0) or 0:.1f}", "the seed's kept replay"])  # fmt: skip
-    rows.append(["resume kept p50 / ordered-load floor p50", get("resume", "kept_p50_over_floor"),
-                 (f"goal <= 1.15; floor p50 {get('resume', 'kept_floor', 'floor_p50_s', default=0) or 0:.3f} s at "
-                  f"{get('resume', 'kept_floor', 'link_gbps', default=0) or 0:g} GB/s, decode step "
-                  f"{(get('resume', 'kept_floor', 'decode_step_s', default=0) or 0) * 1e3:.2f} ms")])  # fmt: skip
-    rows.append(["resume kept, median of replays: speedup; over floor", f"{get('resume', 'speedup_p50_median', default=0) or 0:.2f}x; "
-                 f"{get('resume', 'kept_floor', 'median_over_floor', default=0) or 0:.2f}",
-                 f"over the floor at the measured {get('resume', 'kept_floor', 'measured_link', 'link_gbps', default=0) or 0:.1f} GB/s: "
-                 f"{get('resume', 'kept_floor', 'measured_link', 'p50_over_floor', default=0) or 0:.2f}"])  # fmt: skip
-    marks = get("resume", "kept", "timeline_marks", default={}) or {}
-    first = marks.get("first") or {}
-    rows.append(["kept replay ms: adds done; 1st request issued / landed / done",
-                 f"{(marks.get('adds_done_s') or 0) * 1e3:.0f}; " + " / ".join(
-                     f"{(first.get(k) or 0) * 1e3:.0f}" for k in ("issued", "landed", "finished")),
-                 f"1st step {' - '.join(f'{t * 1e3:.0f}' for t in marks.get('first_step_s') or ())} ms"])  # fmt: skip
-    rows.append(["mixed step ms, eager / piecewise graphs", f"{get('mixed_step', 'extend_decode4', 'eager', 'wall_ms', default=0) or 0:.1f} / "
-                 f"{get('mixed_step', 'extend_decode4', 'engine', 'wall_ms', default=0) or 0:.1f}", "44-token extend + 4 decodes"])  # fmt: skip
-    rows.append(["tier store / load GB/s", f"{get('transfers', 'store_GB_s', default=0) or 0:.1f} / "
-                 f"{get('transfers', 'load_GB_s', default=0) or 0:.1f}", "goal >= 45"])  # fmt: skip
-    rows.append(["decode slowdown storing (entries / scattered / fed)",
-                 " / ".join(f"{get('store_overlap', arm, 'slowdown', default=0) or 0:.1%}"
-                            for arm in ("entries", "scattered", "entries_fed")), "goal <= 5%"])  # fmt: skip
-    rows.append(["sleep freed fraction", get("sleep_wake", "freed_fraction"), "goal >= 0.95"])
-    for what in ("sleep", "wake"):
-        first, second = (get("sleep_wake", rep, f"{what}_call_s", default=0) or 0 for rep in ("first", "second"))
-        rows.append([f"{what} s, first / second", f"{first:.2f} / {second:.2f}", "goal <= 0.5" if what == "sleep" else ""])
-    rows.append(["sleep / wake weights GB/s", f"{get('sleep_wake', 'weights_GB_s_sleep', default=0) or 0:.1f} / "
-                 f"{get('sleep_wake', 'weights_GB_s_wake', default=0) or 0:.1f}", "goal >= 40"])  # fmt: skip
+    if "resume" in results:
+        rows.append(["resume kept p50 / ordered-load floor p50", get("resume", "kept_p50_over_floor"),
+                     (f"goal <= 1.15; floor p50 {get('resume', 'kept_floor', 'floor_p50_s', default=0) or 0:.3f} s at "
+                      f"{get('resume', 'kept_floor', 'link_gbps', default=0) or 0:g} GB/s, decode step "
+                      f"{(get('resume', 'kept_floor', 'decode_step_s', default=0) or 0) * 1e3:.2f} ms")])  # fmt: skip
+        rows.append(["resume kept, median of replays: speedup; over floor", f"{get('resume', 'speedup_p50_median', default=0) or 0:.2f}x; "
+                     f"{get('resume', 'kept_floor', 'median_over_floor', default=0) or 0:.2f}",
+                     f"over the floor at the measured {get('resume', 'kept_floor', 'measured_link', 'link_gbps', default=0) or 0:.1f} GB/s: "
+                     f"{get('resume', 'kept_floor', 'measured_link', 'p50_over_floor', default=0) or 0:.2f}"])  # fmt: skip
+        marks = get("resume", "kept", "timeline_marks", default={}) or {}
+        first = marks.get("first") or {}
+        rows.append(["kept replay ms: adds done; 1st request issued / landed / done",
+                     f"{(marks.get('adds_done_s') or 0) * 1e3:.0f}; " + " / ".join(
+                         f"{(first.get(k) or 0) * 1e3:.0f}" for k in ("issued", "landed", "finished")),
+                     f"1st step {' - '.join(f'{t * 1e3:.0f}' for t in marks.get('first_step_s') or ())} ms"])  # fmt: skip
+    if "mixed_step" in results:
+        rows.append(["mixed step ms, eager / piecewise graphs", f"{get('mixed_step', 'extend_decode4', 'eager', 'wall_ms', default=0) or 0:.1f} / "
+                     f"{get('mixed_step', 'extend_decode4', 'engine', 'wall_ms', default=0) or 0:.1f}", "44-token extend + 4 decodes"])  # fmt: skip
+    if "transfers" in results:
+        rows.append(["tier store / load GB/s", f"{get('transfers', 'store_GB_s', default=0) or 0:.1f} / "
+                     f"{get('transfers', 'load_GB_s', default=0) or 0:.1f}", "goal >= 45"])  # fmt: skip
+    if "store_overlap" in results:
+        rows.append(["decode slowdown storing (entries / scattered / fed)",
+                     " / ".join(f"{get('store_overlap', arm, 'slowdown', default=0) or 0:.1%}"
+                                for arm in ("entries", "scattered", "entries_fed")), "goal <= 5%"])  # fmt: skip
+    if "sleep_wake" in results:
+        rows.append(["sleep freed fraction", get("sleep_wake", "freed_fraction"), "goal >= 0.95"])
+        for what in ("sleep", "wake"):
+            first, second = (get("sleep_wake", rep, f"{what}_call_s", default=0) or 0 for rep in ("first", "second"))
+            rows.append([f"{what} s, first / second", f"{first:.2f} / {second:.2f}", "goal <= 0.5" if what == "sleep" else ""])
+        rows.append(["sleep / wake weights GB/s", f"{get('sleep_wake', 'weights_GB_s_sleep', default=0) or 0:.1f} / "
+                     f"{get('sleep_wake', 'weights_GB_s_wake', default=0) or 0:.1f}", "goal >= 40"])  # fmt: skip
     if isinstance(results.get("weight_transfer"), dict):
         rows.extend(weight_transfer_rows(results["weight_transfer"]))  # ipc push, first push, RL step, nccl
     if isinstance(results.get("fp8"), dict):

@@ -33,3 +33,5 @@ def test_the_summary_reads_every_part() -> None:
     rows = {r[0]: r[1] for r in gpu.summary({"fp8": res})}
     assert rows["fp8 KV tokens / bf16's"] == 2.0 and rows["fp8 decode_b64_ctx8192 tok/s"] == 11.0
     assert rows["fp8 kept vs bf16 cleared (p50)"] == 30.0 and rows["seed client over HTTP, fp8 KV (p50)"] == 25.0
+    # Only the sections that ran have rows: no empty decode, resume or sleep rows beside fp8's.
+    assert not {"decode b1 tok/s", "resume kept vs cleared (p50 speedup)", "sleep freed fraction"} & set(rows)
