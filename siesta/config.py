@@ -113,6 +113,9 @@ class CacheConfig:
     # or "fp8_e5m2" one byte a value under per-layer scales, twice the tokens of bf16 in the same
     # bytes (siesta/attention/kv_quant.py).
     kv_cache_dtype: str = AUTO
+    # fp8 caches of a checkpoint that ships no scales: compute them at start from one fixed
+    # calibration prompt (siesta/model/kv_calibration.py) instead of vLLM's default 1.0.
+    calculate_kv_scales: bool = False
 
     @property
     def kv_quantized(self) -> bool:
@@ -443,6 +446,7 @@ class EngineFlags:
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     prefault_kv_cache: bool = CacheConfig.prefault_kv_cache
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype
+    calculate_kv_scales: bool = CacheConfig.calculate_kv_scales
     seed: int = ModelConfig.seed
     max_num_batched_tokens: int | None = SchedulerConfig.max_num_batched_tokens
     max_num_seqs: int | None = SchedulerConfig.max_num_seqs
@@ -473,6 +477,7 @@ class EngineFlags:
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefault_kv_cache=self.prefault_kv_cache,
                 kv_cache_dtype=self.kv_cache_dtype,
+                calculate_kv_scales=self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,

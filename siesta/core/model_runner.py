@@ -43,7 +43,8 @@ from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
 from siesta.distributed.collectives import broadcast, min_over_ranks
 from siesta.model import batch_invariant, cpu_linear, registry
 from siesta.model.interface import CausalModel
-from siesta.model.kv_scales import source_kv_scales
+from siesta.model.kv_calibration import calculate_kv_scales
+from siesta.model.kv_scales import CHECKPOINT, source_kv_scales
 from siesta.model.loader import ModelSource
 from siesta.parallel import SINGLE, TensorParallel
 from siesta.request import TOKEN_TYPECODE, EngineCoreOutput, PromptLogprobs, Request
@@ -253,7 +254,8 @@ class ModelRunner:
         return written
 
     def _kv_scales(self, source: ModelSource) -> KVScales | None:
-        """An fp8 cache's scales: the checkpoint's (Hugging Face folders), else 1.0 per layer."""
+        """An fp8 cache's scales: the checkpoint's (Hugging Face folders), else computed
+        (``calculate_kv_scales``), else 1.0 per layer."""
         if not is_quantized(self.kv_dtype):
             return None
         files = getattr(source.checkpoint, "files", None) if source.kind == "hf" else None
@@ -261,7 +263,11 @@ class ModelRunner:
             scales = source_kv_scales(files, self.model.kv_layout.num_layers)
         except ValueError as e:
             raise ConfigError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype}: {e}") from None
-        logger.info("KV cache: %s, scales from the %s", self.kv_dtype, scales.origin)
+        if scales.origin != CHECKPOINT and self.config.cache.calculate_kv_scales:
+            scales = calculate_kv_scales(self.model, self.model.shape.vocab_size, self.dtype, self.kv_dtype,
+                                         self.device, self.max_model_len, self.block_size, self.tp)  # fmt: skip
+        logger.info("KV cache: %s, scales from the %s (K %.3g-%.3g, V %.3g-%.3g)", self.kv_dtype, scales.origin,
+                    min(scales.k), max(scales.k), min(scales.v), max(scales.v))  # fmt: skip
         return scales
 
     def _allocate_kv_cache(self) -> KVCache:

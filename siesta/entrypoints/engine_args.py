@@ -47,7 +47,10 @@ FLAGS: tuple[CliFlag, ...] = (
             {"type": int, "help": "ranks (one process and one GPU each) that split every layer"}),
     CliFlag("kv_cache_dtype", ("--kv-cache-dtype",),
             {"help": f"{', '.join(KV_CACHE_DTYPES)}: auto is the model's dtype; fp8 (= fp8_e4m3) and fp8_e5m2 hold "
-                     "a byte a value under per-layer scales (the checkpoint's, else 1.0)"}),
+                     "a byte a value under per-layer scales (the checkpoint's, else 1.0 or --calculate-kv-scales)"}),
+    CliFlag("calculate_kv_scales", ("--calculate-kv-scales",),
+            {"action": "store_true", "help": "fp8 KV without checkpoint scales: compute them at start from a fixed "
+                                             "calibration prompt (vLLM's flag; default: 1.0)"}),
     CliFlag("max_num_batched_tokens", ("--max-num-batched-tokens",),
             {"type": int, "help": "tokens a step may compute (default: vLLM's: 8192 for serve on an H100/H200-class "
                                   "GPU, 16384 offline; 2048/8192 on smaller GPUs; 2048/4096 per rank on the CPU)"}),
