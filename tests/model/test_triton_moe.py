@@ -47,6 +47,7 @@ from siesta.model.moe import experts_reference, sum_over_k
 from siesta.model.triton_moe import (
     DECODE_TILES,
     DETERMINISTIC_TILES,
+    PAIR_PATH_MAX_TOKENS,
     PREFILL_PAIRS_PER_EXPERT,
     PREFILL_TILES,
     Alignment,
@@ -55,6 +56,7 @@ from siesta.model.triton_moe import (
     fused_moe,
     step_tiles,
     tiles_for,
+    uses_pair_path,
 )
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -323,11 +325,59 @@ def test_fused_moe_no_tokens() -> None:
     assert out.shape == (0, 64)
 
 
+# ---------------------------------------------------------------------------- one or two tokens
+
+PAIR_CASES = [
+    Case(1, 8, 128, 256, 96),  # Qwen3-MoE's k and E
+    Case(1, 2, 8, 200, 80),  # H and I multiples of no tile (ragged K chunks in both kernels)
+    Case(2, 8, 16, 512, 768),  # several K chunks; two tokens out of 16 experts share some
+    Case(2, 4, 8, 64, 32, skew=True),  # both tokens on the same four experts: each read twice
+]
+
+
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: c.id)
+def test_one_or_two_tokens_take_the_pair_kernels(case: Case) -> None:
+    """No sort at one or two tokens: each (token, k) pair streams its expert's rows; the oracle's
+    result to fp32 error, every output written (the buffers start as NaN)."""
+    x, weights, ids, gate_up, down = _inputs(case, torch.float32)
+    assert uses_pair_path(case.tokens, gate_up, down)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        import siesta.model.triton_moe as tm
+
+        mp.setattr(tm, "align", lambda *a, **kw: calls.append(a) or align(*a, **kw))
+        out = _fused(x, weights, ids, gate_up, down)
+    assert not calls, "the pair path sorted the pairs"
+    _assert_close(out, _oracle(x, weights, ids, gate_up, down), FP32_TOL)
+    _assert_close(out, experts_reference(x, weights, ids, gate_up, down), FP32_TOL)
+
+
+def test_the_pair_path_is_for_few_tokens_in_the_default_mode_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = Case(1, 2, 8, 64, 32)
+    x, weights, ids, gate_up, down = _inputs(case, torch.float32)
+    monkeypatch.setattr(batch_invariant, "_enabled", False)
+    assert [uses_pair_path(t, gate_up, down) for t in (0, 1, PAIR_PATH_MAX_TOKENS, PAIR_PATH_MAX_TOKENS + 1)] == [
+        False, True, True, False]  # fmt: skip
+    # Weights not contiguous along the reduction take the sorted path, which reads any strides.
+    assert not uses_pair_path(1, gate_up.transpose(1, 2).contiguous().transpose(1, 2), down)
+    assert not uses_pair_path(1, gate_up, down.transpose(1, 2).contiguous().transpose(1, 2))
+    monkeypatch.setattr(batch_invariant, "_enabled", True)  # one tile set for every step
+    assert not uses_pair_path(1, gate_up, down)
+
+
+def test_the_pair_path_reads_a_strided_x() -> None:
+    case = Case(2, 2, 8, 64, 48)
+    x, weights, ids, gate_up, down = _inputs(case, torch.float32)
+    wide = torch.cat([x, torch.full_like(x, math.nan)], dim=1)[:, : case.hidden]
+    _assert_close(_fused(wide, weights, ids, gate_up, down), _oracle(x, weights, ids, gate_up, down), FP32_TOL)
+
+
 # ---------------------------------------------------------------------------- CUDA
 
 
 BF16_CASES = [
-    Case(1, 8, 128, 256, 96),
+    Case(1, 8, 128, 256, 96),  # the pair kernels
+    Case(2, 8, 128, 2048, 768),  # the pair kernels at Qwen3-30B-A3B's H and I
     Case(8, 2, 16, 200, 48),
     Case(8, 8, 128, 512, 768),
     Case(20, 2, 16, 200, 48, skew=True),
@@ -361,7 +411,8 @@ def test_fused_moe_no_host_sync_cuda() -> None:
 
 
 @GPU_ONLY
-@pytest.mark.parametrize("case", [Case(8, 8, 128, 256, 96), Case(256, 2, 16, 200, 80)], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [Case(1, 8, 128, 256, 96), Case(8, 8, 128, 256, 96), Case(256, 2, 16, 200, 80)],
+                         ids=lambda c: c.id)  # fmt: skip
 def test_fused_moe_cuda_graph_replay(case: Case) -> None:
     """Captured once, replayed with new routings copied into the captured buffers (other experts,
     and a skewed one that fills more row tiles): the eager result each time, bit for bit."""
