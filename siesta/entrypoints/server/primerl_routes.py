@@ -7,7 +7,8 @@
   folder for its ``NCCL_READY`` marker). Either way every tensor goes through the engine's
   checkpoint load, names and shapes checked, and the version advances.
 - ``/init_broadcaster {host, port, rank_offset, inference_world_size, timeout, ...}``: join the
-  trainer's group (``siesta.weight_transfer.primerl_broadcast``; the CPU arm runs gloo).
+  trainer's group (``siesta.weight_transfer.primerl_broadcast``): NCCL where this host has a GPU
+  (the API server's rank on the current device, as PyNccl joins), gloo on the CPU.
 - ``/liveness``: 200 ``{"status": "ok"}`` once the engine core answers a no-op call, 503
   ``{"status": "engine_unresponsive"}`` otherwise.
 - ``/load_lora_adapter`` (and vLLM's ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``):
@@ -41,8 +42,13 @@ from siesta.entrypoints.server.protocol import Float, Int
 from siesta.entrypoints.server.state import server_state
 from siesta.model.hf_loader import CONFIG_FILE, INDEX_FILE, SAFETENSORS_GLOB
 from siesta.model.loader import resolve_model
-from siesta.weight_transfer.group import TransferGroup
-from siesta.weight_transfer.primerl_broadcast import BroadcasterInit, join, receive_state_dicts
+from siesta.weight_transfer.primerl_broadcast import (
+    BroadcasterInit,
+    BroadcastGroup,
+    join,
+    join_nccl,
+    receive_state_dicts,
+)
 from siesta.weight_transfer.wire import WeightTransferError
 
 router = APIRouter(tags=["prime-rl"])
@@ -73,13 +79,16 @@ async def init_broadcaster(body: InitBroadcasterRequest, request: Request) -> di
     if body.quantize_in_weight_transfer:
         raise APIError(HTTPStatus.BAD_REQUEST, "quantize_in_weight_transfer sends fp8 kernel-format weights, which "
                        "siesta does not load; leave it false", "quantize_in_weight_transfer")  # fmt: skip
-    if torch.cuda.is_available():
-        raise APIError(HTTPStatus.NOT_IMPLEMENTED, "prime-rl's NCCL broadcast (vLLM's PyNcclCommunicator) is not built "
-                       "in siesta yet; its CPU arm runs over gloo: use the filesystem broadcast on GPUs")  # fmt: skip
     init = BroadcasterInit(body.host, body.port, body.rank_offset, body.inference_world_size, body.timeout)
     _drop_broadcaster(request)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        joining = asyncio.to_thread(join_nccl, init, device)
+    else:
+        joining = asyncio.to_thread(join, init)
     try:
-        group = await asyncio.to_thread(join, init)
+        # NCCL's rank init has no deadline of its own: a trainer that never joins is a 502 in time.
+        group = await asyncio.wait_for(joining, init.timeout_s)
     except WeightTransferError as e:
         raise APIError(HTTPStatus.BAD_REQUEST, str(e)) from None
     except (RuntimeError, TimeoutError) as e:
@@ -91,7 +100,7 @@ async def init_broadcaster(body: InitBroadcasterRequest, request: Request) -> di
 async def update_from_weight_dir(request: Request, weight_dir: str) -> dict[str, str]:
     """prime-rl's ``/update_weights``: the broadcast if a broadcaster is joined, else the folder."""
     state = server_state(request)
-    group: TransferGroup | None = getattr(request.app.state, _BROADCASTER, None)
+    group: BroadcastGroup | None = getattr(request.app.state, _BROADCASTER, None)
     config = await asyncio.to_thread(_served_config, request)
     folder = Path(tempfile.mkdtemp(prefix="siesta-prime-rl-", dir=SHM_DIR if os.path.isdir(SHM_DIR) else None))
     try:
@@ -106,7 +115,7 @@ async def update_from_weight_dir(request: Request, weight_dir: str) -> dict[str,
     return {"status": "ok", "weight_version": version}
 
 
-async def _receive(request: Request, group: TransferGroup, folder: Path) -> None:
+async def _receive(request: Request, group: BroadcastGroup, folder: Path) -> None:
     def receive() -> None:
         for index, tensors in enumerate(receive_state_dicts(group)):
             if tensors:
@@ -147,7 +156,7 @@ def _served_config(request: Request) -> Any:
 
 
 def _drop_broadcaster(request: Request) -> None:
-    group: TransferGroup | None = getattr(request.app.state, _BROADCASTER, None)
+    group: BroadcastGroup | None = getattr(request.app.state, _BROADCASTER, None)
     if group is not None:
         group.close()
         setattr(request.app.state, _BROADCASTER, None)
