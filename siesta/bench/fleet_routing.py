@@ -25,6 +25,7 @@ import json
 import os
 import random
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -94,6 +95,32 @@ class Arm:
     sleep_wake_s: float
 
 
+# Seeded shuffles tried for the resume order (resume_order).
+SHUFFLE_TRIES = 64
+
+
+def resume_order(num_prompts: int, num_replicas: int, seed: int) -> list[int]:
+    """The order the resumed requests are sent in: a shuffle that gives round robin no luck.
+
+    The warm-up goes in index order, so a round-robin gateway sends request ``i`` resumed at
+    position ``p`` back to the replica it ran on exactly when ``(p - i) mod replicas`` equals the
+    rotation the gateway's counter happens to be at (health checks and control calls move it).
+    A plain shuffle can put most requests on one residue, and round robin then "finds" the tier
+    by luck; of a few seeded shuffles this takes the one whose residues are most even, so every
+    rotation lands about 1/replicas of the requests where they ran."""
+    rng = random.Random(seed)
+    best: list[int] = []
+    best_worst = num_prompts + 1
+    for _ in range(SHUFFLE_TRIES):
+        order = list(range(num_prompts))
+        rng.shuffle(order)
+        residues = Counter((p - i) % num_replicas for p, i in enumerate(order))
+        worst = max(residues.get(r, 0) for r in range(num_replicas))
+        if worst < best_worst:
+            best, best_worst = order, worst
+    return best
+
+
 def run_arm(arm: str, replicas: list[LocalReplica], num_prompts: int, prompt_len: int, max_new_tokens: int,
             seed: int, fleet: str = "bench") -> Arm:  # fmt: skip
     """One gateway of ``arm``'s policy over ``replicas``: warm, sleep(keep)/wake, resume, count."""
@@ -117,8 +144,7 @@ def run_arm(arm: str, replicas: list[LocalReplica], num_prompts: int, prompt_len
         client.wake_up()
         sleep_wake_s = time.perf_counter() - t0
         resumed = [prompts[i] + outs[i]["output_ids"] for i in range(num_prompts)]
-        order = list(range(num_prompts))
-        random.Random(seed).shuffle(order)
+        order = resume_order(num_prompts, len(replicas), seed)
         with ThreadPoolExecutor(num_prompts) as pool:
             list(pool.map(lambda i: generate(gateway.url, resumed[i], rids[i], 1), order))
         after = replica_metrics(urls)
