@@ -31,7 +31,6 @@ DTYPES = (AUTO, FP8)
 CAPACITY_UTILIZATION = 0.9
 
 
-
 def _with(args: argparse.Namespace, **changes: Any) -> argparse.Namespace:
     return argparse.Namespace(**(vars(args) | changes))
 

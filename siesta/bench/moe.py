@@ -150,4 +150,3 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
     if isinstance(res.get("resume"), dict) and "speedup_p50" in res["resume"]:
         rows.append(["MoE resume kept vs cleared (p50)", res["resume"]["speedup_p50"], ""])
     return rows
-
