@@ -1001,7 +1001,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-check-shape", default="qwen3-30b-a3b", help="moe: the shape of the fidelity check")
     ap.add_argument("--moe-check-layers", type=int, default=4, help="moe: its layers (fp32 transformers must fit)")
     ap.add_argument("--moe-check-tokens", type=int, default=4096)
-    ap.add_argument("--moe-parts", type=lambda s: s.split(","), default=["fidelity", "resume", "weight_transfer"],
+    ap.add_argument("--moe-parts", type=lambda s: s.split(","),
+                    default=["sorted_small_batches", "fidelity", "resume", "weight_transfer"],
                     help="moe: what runs after decode and prefill")
     ap.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS, help="host-to-device GB/s of the resume floor")
     ap.add_argument("--transfer-blocks", type=int, default=2048)

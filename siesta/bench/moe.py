@@ -10,6 +10,8 @@ random weights, bf16) as the dense sections measure the 8B.
 - fidelity: the engine against a transformers trainer (its default init, pushed) per position
   bucket in units of the trainer's own bf16 floor, on a cut of the shape to ``--moe-check-layers``
   layers (transformers in fp32 holds the whole 30B in 122 GB); the router's top-k agreement;
+- sorted_small_batches: decode at batch 1 (and 2) again on an engine whose experts always sort,
+  against the per-pair kernels that serve those batches;
 - resume: the seed's experiment (kept tier against cleared) on this model;
 - weight push: CUDA IPC from a trainer process (``weight_transfer``), GB/s against a device copy.
 """
@@ -107,7 +109,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log_part("moe", "prefill", out["prefill"])
     del llm
     release_memory()
-    for name, step in (("fidelity", lambda: fidelity(args.moe_check_shape, args.moe_check_layers,
+    for name, step in (("sorted_small_batches", lambda: _sorted_small_batches(args, base, out["decode"])),
+                       ("fidelity", lambda: fidelity(args.moe_check_shape, args.moe_check_layers,
                                                       args.moe_check_tokens, device)),
                        ("resume", lambda: _resume(args)), ("weight_transfer", lambda: _push(args))):  # fmt: skip
         if name not in args.moe_parts:
@@ -120,6 +123,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out[f"{name}_s"] = time.perf_counter() - t0
         log_part("moe", name, out[name])
         release_memory()
+    return out
+
+
+def _sorted_small_batches(args: argparse.Namespace, base: dict[str, Any], pairs: dict[str, Any]) -> dict[str, Any]:
+    """The same decode at the batches the per-pair kernels serve, on an engine whose experts always
+    sort (its graphs are captured that way): the A/B of ``triton_moe.PAIR_PATH_MAX_TOKENS``."""
+    from siesta import LLM
+    from siesta.model import triton_moe
+
+    batches = [b for b in args.decode_batches if b <= triton_moe.PAIR_PATH_MAX_TOKENS] or [1]
+    saved = triton_moe.PAIR_PATH_MAX_TOKENS
+    triton_moe.PAIR_PATH_MAX_TOKENS = 0
+    try:
+        llm = LLM(args.moe_model, **base, gpu_memory_utilization=0.85, max_num_batched_tokens=args.moe_prefill_tokens)
+        out = decode(llm, batches, args.decode_context, args.decode_steps)
+        del llm
+    finally:
+        triton_moe.PAIR_PATH_MAX_TOKENS = saved
+    for b in batches:
+        with_pairs = pairs.get(f"batch{b}", {}).get("tok_s")
+        if with_pairs:
+            out[f"batch{b}"]["pair_kernels_speedup"] = with_pairs / out[f"batch{b}"]["tok_s"]
     return out
 
 
@@ -141,6 +166,10 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
         if key.startswith("batch"):
             rows.append([f"MoE decode {key} tok/s", cell["tok_s"], f"{cell['of_roofline']:.0%} of the bytes-read roofline "
                          f"({cell['experts_touched_per_layer']:.0f} experts a layer)"])  # fmt: skip
+    for key, cell in (res.get("sorted_small_batches") or {}).items():
+        if key.startswith("batch") and "pair_kernels_speedup" in cell:
+            rows.append([f"MoE decode {key}: pair kernels / sorted", cell["pair_kernels_speedup"],
+                         f"sorted {cell['tok_s']:,.0f} tok/s"])  # fmt: skip
     if "prefill" in res:
         rows.append([f"MoE prefill {res['prefill']['tokens']} tok/s", res["prefill"]["tok_s"],
                      f"MFU {res['prefill']['mfu']:.0%} (goal >= 60%)"])  # fmt: skip

@@ -22,7 +22,8 @@ def test_experts_touched_is_the_uniform_expectation() -> None:
 def test_the_section_runs_on_the_tiny_moe() -> None:
     args = gpu.build_parser().parse_args([])
     small = {"moe_model": "random:tiny-qwen3-moe", "moe_check_shape": "tiny-qwen3-moe", "moe_check_layers": 2,
-             "moe_check_tokens": 160, "moe_prefill_tokens": 128, "moe_parts": ["fidelity"], "decode_batches": [1, 4],
+             "moe_check_tokens": 160, "moe_prefill_tokens": 128, "moe_parts": ["sorted_small_batches", "fidelity"],
+             "decode_batches": [1, 4],
              "decode_context": 32, "decode_steps": 2, "max_model_len": 512, "device": "cpu"}  # fmt: skip
     out = gpu.SECTIONS["moe"](argparse.Namespace(**(vars(args) | small)))
     json.dumps(out)
@@ -30,5 +31,9 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     assert 0 < out["decode"]["batch4"]["of_roofline"] and out["prefill"]["tok_s"] > 0
     # bf16 on the CPU against transformers fp32, in units of transformers' own bf16 floor.
     assert out["fidelity"]["push_batch1"]["worst_ratio"] is not None
+    # The A/B engine (experts always sorted) ran batch 1 only: the batches the pair kernels serve.
+    assert set(out["sorted_small_batches"]) - {"bytes", "bytes_per_expert"} == {"batch1"}
+    assert out["sorted_small_batches"]["batch1"]["pair_kernels_speedup"] > 0
     rows = [r[0] for r in gpu.summary({"moe": out})]
     assert "MoE decode batch1 tok/s" in rows and "MoE logprobs / trainer's bf16 floor" in rows
+    assert "MoE decode batch1: pair kernels / sorted" in rows
