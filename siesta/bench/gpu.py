@@ -823,6 +823,14 @@ def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # In order of what matters most, so a short lease loses the least.
+def _invariant_matmul():
+    """Imported when used: it compiles Triton kernels at import (and needs the interpreter's
+    flag set first on the CPU)."""
+    from siesta.bench import invariant_matmul
+
+    return invariant_matmul
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "correctness": correctness,
     "resume": resume,
@@ -844,10 +852,13 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "tensor_parallel": tensor_parallel,
     "moe": lambda args: moe_bench.run(args),
     "fp8": lambda args: fp8_bench.run(args),
+    "invariant_matmul": lambda args: _invariant_matmul().run(torch.device(args.device or "cuda")),
 }
 # Run by name only: diagnostics; resume_http, which runs the resume section again beside the
-# server; tensor_parallel, which needs a host with several GPUs.
-DIAGNOSTIC_SECTIONS = ("resume_http", "resume_trace", "decode_trace", "step_io", "decode_kernels", "tensor_parallel")
+# server; tensor_parallel, which needs a host with several GPUs; invariant_matmul, deterministic
+# mode's GEMM against cuBLAS per matrix.
+DIAGNOSTIC_SECTIONS = ("resume_http", "resume_trace", "decode_trace", "step_io", "decode_kernels", "tensor_parallel",
+                       "invariant_matmul")  # fmt: skip
 
 
 def summary(results: dict[str, Any]) -> list[list[Any]]:
@@ -939,6 +950,8 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
         rows.extend(fp8_bench.summary_rows(results["fp8"]))
     if isinstance(results.get("moe"), dict):
         rows.extend(moe_bench.summary_rows(results["moe"]))
+    if isinstance(results.get("invariant_matmul"), dict) and "results" in results["invariant_matmul"]:
+        rows.extend(_invariant_matmul().summary_rows(results["invariant_matmul"]))
     if "tensor_parallel" in results:
         rows.extend(tensor_parallel_rows(results["tensor_parallel"]))
     return rows

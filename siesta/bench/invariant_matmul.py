@@ -103,6 +103,26 @@ def bench(name: str, n: int, k: int, rows: tuple[int, ...], dtype: torch.dtype, 
     return results
 
 
+def run(device: torch.device, smoke: bool = False, candidates: list[MatmulConfig] | None = None) -> dict:
+    """Every shape at every row count (``--smoke``: tiny fp32 shapes): the JSON ``main`` writes."""
+    shapes, rows, dtype = (SMOKE_SHAPES, SMOKE_ROWS, torch.float32) if smoke else (LLAMA3_8B, ROWS, torch.bfloat16)
+    torch.manual_seed(0)
+    results = [r for name, n, k in shapes for r in bench(name, n, k, rows, dtype, device, candidates)]
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    return {"device": device_name, "dtype": str(dtype), "results": [asdict(r) for r in results]}
+
+
+def summary_rows(res: dict) -> list[list]:
+    """Per shape, the kernel over cuBLAS at one row and at the most rows timed, and the bits."""
+    rows = []
+    for shape in dict.fromkeys(r["shape"] for r in res["results"]):
+        cells = [r for r in res["results"] if r["shape"] == shape]
+        rows.append([f"invariant GEMM / cuBLAS, {shape} (M={cells[0]['m']} / {cells[-1]['m']})",
+                     f"{cells[0]['slowdown']:.2f} / {cells[-1]['slowdown']:.2f}",
+                     f"row bits as alone: {all(c['row_bits_as_alone'] for c in cells)}"])  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write all results to this path")
@@ -114,16 +134,14 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("on the CPU Triton needs its interpreter: run with TRITON_INTERPRET=1 (and --smoke)")
-    shapes, rows, dtype = (SMOKE_SHAPES, SMOKE_ROWS, torch.float32) if args.smoke else (LLAMA3_8B, ROWS, torch.bfloat16)
-    torch.manual_seed(0)
-    results = [r for name, n, k in shapes for r in bench(name, n, k, rows, dtype, device, args.candidates)]
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    res = run(device, args.smoke, args.candidates)
     print_table(
-        f"Batch-invariant GEMM against cuBLAS, {device_name}, {dtype}, weights cycled beyond L2",
+        f"Batch-invariant GEMM against cuBLAS, {res['device']}, {res['dtype']}, weights cycled beyond L2",
         ["shape", "M", "cuBLAS us", "invariant us", "invariant/cuBLAS", "rel err", "row bits as M=1"],
-        [[r.shape, r.m, r.cublas_us, r.invariant_us, r.slowdown, r.rel_err, r.row_bits_as_alone] for r in results],
-    )
-    write_json(args.json, {"device": device_name, "dtype": str(dtype), "results": [asdict(r) for r in results]})
+        [[r["shape"], r["m"], r["cublas_us"], r["invariant_us"], r["slowdown"], r["rel_err"], r["row_bits_as_alone"]]
+         for r in res["results"]],
+    )  # fmt: skip
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":
