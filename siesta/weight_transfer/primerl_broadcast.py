@@ -166,13 +166,19 @@ class NcclBroadcastGroup:
         """In place from ``src`` (the trainer); returns once ``tensor`` holds the data."""
         if self.comm is None:
             raise WeightTransferError("the broadcast group was closed; call /init_broadcaster again")
+        self._after_current_work()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             torch.cuda.nccl.broadcast([tensor], root=src, comms=[self.comm])
         self._wait("broadcast")
 
+    def _after_current_work(self) -> None:
+        """The NCCL stream waits for what the current stream queued (a zero fill of the buffer)."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def warm_up(self) -> None:
         """PyNccl's: an all-reduce of one fp32 zero, which the trainer runs too."""
         zero = torch.zeros(1, device=self.device)
+        self._after_current_work()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             torch.cuda.nccl.all_reduce([zero], comms=[self.comm])
         self._wait("warm-up all-reduce")
