@@ -168,7 +168,7 @@ class NcclBroadcastGroup:
             raise WeightTransferError("the broadcast group was closed; call /init_broadcaster again")
         self._after_current_work()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            torch.cuda.nccl.broadcast([tensor], root=src, comms=[self.comm])
+            torch.cuda.nccl.broadcast([tensor], root=src, streams=[self.stream], comms=[self.comm])
         self._wait("broadcast")
 
     def _after_current_work(self) -> None:
@@ -180,7 +180,7 @@ class NcclBroadcastGroup:
         zero = torch.zeros(1, device=self.device)
         self._after_current_work()
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            torch.cuda.nccl.all_reduce([zero], comms=[self.comm])
+            torch.cuda.nccl.all_reduce([zero], streams=[self.stream], comms=[self.comm])
         self._wait("warm-up all-reduce")
 
     def close(self) -> None:
