@@ -3,7 +3,9 @@
 1. ``align``: the step's (token, k) pairs sorted by expert, each expert's run padded to a
    multiple of the row tile ``BLOCK_M``, so every row tile belongs to one expert. Torch ops on
    the device with shapes fixed by the token count (a bound on the padding, not the padding
-   itself): no host read, so CUDA graphs capture it per bucket.
+   itself): no host read, so CUDA graphs capture it per bucket. Decode-sized steps place each
+   pair by a one-hot running count of its expert (about 15 launches), larger ones by a stable
+   sort (about 30); both give the same rows.
 2. ``_gate_up_kernel``: per row tile and feature tile, the tile's tokens (gathered by pair) times
    its expert's gate rows and up rows, both accumulated in fp32 from one read of x, then
    ``silu(gate) * up``, stored per pair.
@@ -70,6 +72,9 @@ DETERMINISTIC_TILES = PREFILL_TILES
 # The per-pair path: steps of at most this many tokens, feature tiles of PAIR_BLOCK_N rows read
 # PAIR_BLOCK_K at a time (two fp32 accumulators of 16 x 256 on 4 warps: 64 registers a thread).
 PAIR_PATH_MAX_TOKENS = 2
+# align: steps of up to this many (token, k) pairs place them by a one-hot running count
+# ([pairs, experts] int64: 2 MiB at 2,048 pairs and 128 experts), larger ones by a sort.
+ONE_HOT_MAX_PAIRS = 2048
 PAIR_BLOCK_N = 16
 PAIR_BLOCK_K = 256
 PAIR_NUM_WARPS = 4
@@ -100,24 +105,36 @@ class Alignment:
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Sort the (token, k) pairs of ``ids`` ``[T, k]`` by expert, each expert's run padded to a
-    multiple of ``block_m``. Pair ``p`` is token ``p // k``'s ``p % k``-th choice."""
+    multiple of ``block_m``. Pair ``p`` is token ``p // k``'s ``p % k``-th choice; an expert's
+    pairs keep their order (a stable sort)."""
     flat = ids.reshape(-1).to(torch.int64)
     n, dev = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    experts_sorted = flat[order]
-    first = counts.cumsum(0) - counts  # each expert's first index among the sorted pairs
-    rank = torch.arange(n, device=dev) - first[experts_sorted]
-    dest = (ends - padded)[experts_sorted] + rank
+    if 0 < n <= ONE_HOT_MAX_PAIRS:
+        # Decode-sized steps: a running count per expert ([n, E]) gives every pair its place in
+        # half the launches of a sort (each a graph node that costs ~2 us however small).
+        running = (flat[:, None] == torch.arange(num_experts, device=dev)).cumsum(0)
+        counts = running[-1]
+        padded = (counts + block_m - 1) // block_m * block_m
+        ends = padded.cumsum(0)
+        dest = (ends - padded - 1)[flat] + running.gather(1, flat[:, None])[:, 0]
+        sources = torch.arange(n, dtype=torch.int32, device=dev)
+    else:
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+        padded = (counts + block_m - 1) // block_m * block_m
+        ends = padded.cumsum(0)
+        order = torch.argsort(flat, stable=True)
+        experts_sorted = flat[order]
+        first = counts.cumsum(0) - counts  # each expert's first index among the sorted pairs
+        rank = torch.arange(n, device=dev) - first[experts_sorted]
+        dest = (ends - padded)[experts_sorted] + rank
+        sources = order.to(torch.int32)
     # At most min(n, experts) experts have pairs, each padded by under a tile.
     max_padded = n + min(n, num_experts) * (block_m - 1)
     max_tiles = -(-max_padded // block_m)
     sorted_pairs = torch.full((max_tiles * block_m,), n, dtype=torch.int32, device=dev)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    tile_starts = torch.arange(max_tiles, device=dev) * block_m
-    tile_expert = torch.searchsorted(ends, tile_starts, right=True).to(torch.int32)
+    sorted_pairs.scatter_(0, dest, sources)
+    tile_starts = torch.arange(0, max_tiles * block_m, block_m, device=dev)
+    tile_expert = torch.searchsorted(ends, tile_starts, right=True, out_int32=True)
     return Alignment(sorted_pairs, tile_expert, ends[-1:].to(torch.int32))
 
 

@@ -42,7 +42,7 @@ for _name in ("siesta.model.triton_moe",):
     if _name in sys.modules:
         importlib.reload(sys.modules[_name])
 
-from siesta.model import batch_invariant
+from siesta.model import batch_invariant, triton_moe
 from siesta.model.moe import experts_reference, sum_over_k
 from siesta.model.triton_moe import (
     DECODE_TILES,
@@ -235,8 +235,16 @@ ALIGN_CASES = [
 ]
 
 
+@pytest.fixture(params=["one-hot", "sort"])
+def placement(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``align`` places pairs by a one-hot running count up to ONE_HOT_MAX_PAIRS, by a sort past it:
+    each test runs both ways."""
+    monkeypatch.setattr(triton_moe, "ONE_HOT_MAX_PAIRS", 1 << 30 if request.param == "one-hot" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("ids,num_experts,block_m", ALIGN_CASES)
-def test_align_hand_made(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+def test_align_hand_made(ids: torch.Tensor, num_experts: int, block_m: int, placement: str) -> None:
     ids = ids.to(DEVICE)
     _check_alignment(align(ids, num_experts, block_m), ids, num_experts, block_m)
 
@@ -246,13 +254,28 @@ def test_align_hand_made(ids: torch.Tensor, num_experts: int, block_m: int) -> N
     "tokens,top_k,experts,skew",
     [(1, 2, 8, False), (7, 8, 128, False), (33, 2, 16, False), (300, 8, 128, False), (200, 2, 8, True)],
 )
-def test_align_random(tokens: int, top_k: int, experts: int, skew: bool, block_m: int) -> None:
+def test_align_random(tokens: int, top_k: int, experts: int, skew: bool, block_m: int, placement: str) -> None:
     """Router-like ids: few pairs over many experts (idle ones, single pairs), many over few
     (several tiles an expert), and a skew onto two experts."""
     gen = torch.Generator().manual_seed(tokens * 131 + experts)
     _, ids = _routing(tokens, top_k, experts, gen, skew)
     ids = ids.to(DEVICE)
     _check_alignment(align(ids, experts, block_m), ids, experts, block_m)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 128), (16, 8, 128), (300, 8, 128), (200, 2, 8)])
+def test_both_placements_give_the_same_alignment(tokens: int, top_k: int, experts: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The one-hot count and the stable sort put every pair in the same row: an expert's pairs in
+    their original order."""
+    _, ids = _routing(tokens, top_k, experts, torch.Generator().manual_seed(tokens))
+    ids = ids.to(DEVICE)
+    runs = []
+    for limit in (1 << 30, 0):
+        monkeypatch.setattr(triton_moe, "ONE_HOT_MAX_PAIRS", limit)
+        runs.append(align(ids, experts, DECODE_TILES.block_m))
+    for name in ("sorted_pairs", "tile_expert", "num_padded"):
+        assert torch.equal(getattr(runs[0], name), getattr(runs[1], name)), name
 
 
 def test_align_shapes_depend_on_token_count_only() -> None:
