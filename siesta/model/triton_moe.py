@@ -16,9 +16,9 @@
 At one or two tokens (``PAIR_PATH_MAX_TOKENS``) the experts skip the sort: one program per
 (token, k) pair and feature tile streams that pair's expert rows as a GEMV does (products summed
 on the CUDA cores in fp32, loads pipelined), gate/up then down, the routing weight applied as in
-the tiled kernels. ``align`` is some 25 small launches a layer, which at batch 1 cost a
-Qwen3-30B-A3B step more than its expert reads (run 47f: 7.7 ms a step against 1.8 ms of bytes
-on an H100); the two pair kernels replace them. A token's k experts are distinct, so at one
+the tiled kernels. ``align`` was some 30 small launches a layer, and at batch 1 a
+Qwen3-30B-A3B step took 7.7 ms against 1.8 ms of bytes on an H100 (run 47f; the launches are my
+reading, not a profile); the two pair kernels replace them. A token's k experts are distinct, so at one
 token no expert is read twice; at two, rarely (an expert both tokens chose is read twice, where
 the sorted path reads it once). Deterministic mode keeps the sorted path and its one tile set.
 
