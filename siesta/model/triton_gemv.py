@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from siesta.model.linear_operands import check_linear_operands
+
 # Most rows of x the kernel takes: beyond this a tiled GEMM (cuBLAS) reuses each
 # weight tile across enough rows to win.
 MAX_GEMV_ROWS = 8
@@ -204,28 +206,6 @@ def _split_k_reduce_kernel(
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"gemv needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv: K mismatch, x is {tuple(x.shape)} and weight {tuple(weight.shape)}")
-    if x.shape[0] > MAX_GEMV_ROWS:
-        raise ValueError(f"gemv takes at most {MAX_GEMV_ROWS} rows, got {x.shape[0]}: use a GEMM")
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("gemv needs x and weight contiguous along K (stride 1 in the last dimension)")
-    if x.dtype != weight.dtype or x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"gemv needs x and weight of one dtype among {SUPPORTED_DTYPES}, got {x.dtype}, {weight.dtype}"
-        )
-    if x.device != weight.device:
-        raise ValueError(f"gemv: x is on {x.device} and weight on {weight.device}")
-    if bias is not None:
-        if bias.shape != (weight.shape[0],) or bias.stride(0) != 1:
-            raise ValueError(f"gemv needs a contiguous bias of shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-        if bias.device != x.device:
-            raise ValueError(f"gemv: bias is on {bias.device} and x on {x.device}")
-
-
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
 ) -> torch.Tensor:
@@ -235,7 +215,7 @@ def gemv(
     strided), ``bias`` ``[N]`` or None. Returns a new contiguous ``[M, N]`` tensor of
     x's dtype, accumulated in fp32.
     """
-    _check_inputs(x, weight, bias)
+    check_linear_operands("gemv", x, weight, bias, SUPPORTED_DTYPES, MAX_GEMV_ROWS)
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from siesta.model.linear_operands import check_linear_operands
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 # tl.dot's smallest operand side.
@@ -168,30 +170,13 @@ def _matmul_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < N))
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"matmul needs x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.shape[1] != weight.shape[1]:
-        raise ValueError(f"matmul: K mismatch, x is {tuple(x.shape)} and weight {tuple(weight.shape)}")
-    if x.dtype != weight.dtype or x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"matmul needs x and weight of one dtype among {SUPPORTED_DTYPES}, got {x.dtype}, {weight.dtype}"
-        )
-    if x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("matmul needs x and weight contiguous along K (stride 1 in the last dimension)")
-    if x.device != weight.device:
-        raise ValueError(f"matmul: x is on {x.device} and weight on {weight.device}")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(0) != 1 or bias.device != x.device):
-        raise ValueError(f"matmul needs a contiguous bias of shape ({weight.shape[0]},) on {x.device}")
-
-
 def matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: MatmulConfig | None = None
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x`` ``[M, K]``, ``weight`` ``[N, K]`` (each contiguous
     along K), ``bias`` ``[N]`` or None: a new contiguous ``[M, N]`` tensor of x's dtype, summed in
     fp32, each row's bits independent of M and of the other rows. ``config`` is for tests."""
-    _check_inputs(x, weight, bias)
+    check_linear_operands("matmul", x, weight, bias, SUPPORTED_DTYPES)
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
