@@ -7,7 +7,8 @@ import json
 import os
 import random
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,16 @@ def release_memory() -> None:
         host_empty = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch >= 2.5
         if host_empty is not None:
             host_empty()
+
+
+def run_part(out: dict[str, Any], section: str, name: str, step: Callable[[], Any]) -> None:
+    """One part of a section into ``out[name]`` (its error, if it fails: the other parts still run),
+    its seconds into ``out[name + "_s"]``; logged as it finishes, then the memory given back."""
+    t0 = time.perf_counter()
+    try:
+        out[name] = step()
+    except Exception as e:  # noqa: BLE001 - one part's failure is reported, the rest still run
+        out[name] = {"error": f"{type(e).__name__}: {e}"}
+    out[f"{name}_s"] = time.perf_counter() - t0
+    log_part(section, name, out[name])
+    release_memory()

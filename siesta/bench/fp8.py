@@ -17,12 +17,11 @@ side by side in one run (Llama-3-8B's shape by default).
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 import torch
 
-from siesta.bench.common import log_part, release_memory
+from siesta.bench.common import log_part, release_memory, run_part
 from siesta.bench.steps import decode_step_s
 
 FP8 = "fp8"
@@ -92,24 +91,19 @@ def accuracy(args: argparse.Namespace) -> dict[str, Any]:
             for dtype in DTYPES}  # fmt: skip
 
 
-PARTS = {"capacity": None, "resume": resume_both, "seed_client": seed_client_fp8, "accuracy": accuracy}
+def capacity(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {dtype: capacity_and_decode(args, dtype) for dtype in DTYPES}
+    out["kv_tokens_ratio"] = out[FP8]["kv_tokens"] / out[AUTO]["kv_tokens"]
+    return out
+
+
+PARTS = {"capacity": capacity, "resume": resume_both, "seed_client": seed_client_fp8, "accuracy": accuracy}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"model": args.model}
     for name in args.fp8_parts:
-        t0 = time.perf_counter()
-        try:
-            if name == "capacity":
-                out[name] = {dtype: capacity_and_decode(args, dtype) for dtype in DTYPES}
-                out[name]["kv_tokens_ratio"] = out[name][FP8]["kv_tokens"] / out[name][AUTO]["kv_tokens"]
-            else:
-                out[name] = PARTS[name](args)
-        except Exception as e:  # noqa: BLE001 - one part's failure is reported, the rest still run
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-        out[f"{name}_s"] = time.perf_counter() - t0
-        log_part("fp8", name, out[name])
-        release_memory()
+        run_part(out, "fp8", name, lambda n=name: PARTS[n](args))
     return out
 
 

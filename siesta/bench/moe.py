@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from siesta.bench.common import log_part, release_memory
+from siesta.bench.common import log_part, release_memory, run_part
 from siesta.bench.steps import HBM_BYTES_PER_S, decode_step_s, sync
 
 BF16_PEAK_FLOPS = 989e12
@@ -113,16 +113,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        ("fidelity", lambda: fidelity(args.moe_check_shape, args.moe_check_layers,
                                                       args.moe_check_tokens, device)),
                        ("resume", lambda: _resume(args)), ("weight_transfer", lambda: _push(args))):  # fmt: skip
-        if name not in args.moe_parts:
-            continue
-        t0 = time.perf_counter()
-        try:
-            out[name] = step()
-        except Exception as e:  # noqa: BLE001 - one part's failure is reported, the rest still run
-            out[name] = {"error": f"{type(e).__name__}: {e}"}
-        out[f"{name}_s"] = time.perf_counter() - t0
-        log_part("moe", name, out[name])
-        release_memory()
+        if name in args.moe_parts:
+            run_part(out, "moe", name, step)
     return out
 
 
