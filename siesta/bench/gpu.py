@@ -28,7 +28,7 @@ from siesta.bench.gpu_tp import summary_rows as tensor_parallel_rows
 from siesta.bench.gpu_tp import tensor_parallel
 from siesta.bench.load_floor import DEFAULT_LINK_GBPS
 from siesta.bench.resume_http import DEFAULT_TOKENIZER
-from siesta.bench.steps import HBM_BYTES_PER_S, decode_step_s, device_kernels, start_decoding, sync
+from siesta.bench.steps import decode_step_s, device_kernels, hbm_bytes_per_s, start_decoding, sync
 from siesta.bench.weight_transfer import summary_rows as weight_transfer_rows
 from siesta.bench.weight_transfer import weight_transfer
 
@@ -126,7 +126,7 @@ def _replay_s(llm, batch: int, reps: int = 50) -> float:
 
 
 def decode(args: argparse.Namespace) -> dict[str, Any]:
-    res: dict[str, Any] = {}
+    res: dict[str, Any] = {"hbm_bytes_per_s": (bandwidth := hbm_bytes_per_s())}
     # The engine's defaults (async scheduling on CUDA), then without async scheduling, then eager.
     arms = {"graphs": {}, "graphs_sync": {"async_scheduling": False}, "eager": {"enforce_eager": True}}
     for arm, kw in arms.items():
@@ -144,7 +144,7 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
         res[f"{arm}_backup_settle_s"] = time.perf_counter() - t0
         for b in args.decode_batches:
             dt = decode_step_s(llm, b, args.decode_context, args.decode_steps)
-            floor = (weight_bytes + b * args.decode_context * kv_per_token) / HBM_BYTES_PER_S
+            floor = (weight_bytes + b * args.decode_context * kv_per_token) / bandwidth
             key = f"{arm}_batch{b}"
             res[key] = {"step_ms": dt * 1e3, "tok_s": b / dt, "roofline_ms": floor * 1e3, "of_roofline": floor / dt}
             if arm != "eager":

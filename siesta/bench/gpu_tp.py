@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from siesta.bench.common import random_prompts
-from siesta.bench.steps import HBM_BYTES_PER_S, decode_step_s, device_kernels, sync
+from siesta.bench.steps import decode_step_s, device_kernels, hbm_bytes_per_s, sync
 
 LOGPROB_PROMPT_LEN = 64
 LOGPROB_TOKENS = 8
@@ -133,9 +133,10 @@ def _decode(args: argparse.Namespace, llm) -> dict[str, Any]:
     if backup is not None:
         backup.settle()  # the steady state: background pinning takes the driver's lock from launches
     res = {}
+    bandwidth = hbm_bytes_per_s()
     for b in DECODE_BATCHES:
         dt = decode_step_s(llm, b, args.decode_context, args.decode_steps)
-        floor = (weight_bytes + b * args.decode_context * kv_per_token) / HBM_BYTES_PER_S
+        floor = (weight_bytes + b * args.decode_context * kv_per_token) / bandwidth
         res[f"batch{b}"] = {"step_ms": dt * 1e3, "tok_s": b / dt, "roofline_per_gpu_ms": floor * 1e3,
                             "of_roofline": floor / dt}  # fmt: skip
     return res

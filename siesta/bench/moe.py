@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from siesta.bench.common import log_part, release_memory, run_part
-from siesta.bench.steps import HBM_BYTES_PER_S, decode_step_s, sync
+from siesta.bench.steps import decode_step_s, hbm_bytes_per_s, sync
 
 BF16_PEAK_FLOPS = 989e12
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
@@ -52,13 +52,14 @@ def decode(llm, batches: list[int], context: int, steps: int) -> dict[str, Any]:
     hidden = shape.hidden_size
     per_expert = sizes["experts"] // (len(shape.sparse_layers) * shape.num_experts)
     kv_per_token = llm.engine.runner.kv_cache.block_bytes // llm.config.cache.block_size
-    res: dict[str, Any] = {"bytes": sizes, "bytes_per_expert": per_expert}
+    bandwidth = hbm_bytes_per_s()
+    res: dict[str, Any] = {"bytes": sizes, "bytes_per_expert": per_expert, "hbm_bytes_per_s": bandwidth}
     for b in batches:
         dt = decode_step_s(llm, b, context, steps)
         touched = expected_experts_touched(b, shape.num_experts, shape.top_k)
         step_bytes = (sizes["dense"] + b * hidden * 2 + len(shape.sparse_layers) * touched * per_expert
                       + b * context * kv_per_token)  # fmt: skip
-        floor = step_bytes / HBM_BYTES_PER_S
+        floor = step_bytes / bandwidth
         res[f"batch{b}"] = {"step_ms": dt * 1e3, "tok_s": b / dt, "experts_touched_per_layer": touched,
                             "step_bytes": step_bytes, "roofline_ms": floor * 1e3, "of_roofline": floor / dt}  # fmt: skip
     return res

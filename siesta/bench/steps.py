@@ -10,7 +10,9 @@ import torch
 
 from siesta.bench.common import random_prompts
 
-HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200
+HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200 (the CPU's stand-in)
+COPY_PROBE_BYTES = 2 << 30  # far beyond L2 (50-60 MB), so the copy streams HBM
+COPY_PROBE_REPS = 5
 TOP_KERNELS = 8
 WARM_STEPS = 3  # decode steps after the last prefill, before timing
 
@@ -18,6 +20,25 @@ WARM_STEPS = 3  # decode steps after the last prefill, before timing
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def hbm_bytes_per_s() -> float:
+    """This card's device-to-device copy rate (bytes read plus written per second), the rooflines'
+    bandwidth: an H100 streams ~3.3e12 and an H200 ~4.2e12, so one constant would misstate one."""
+    if not torch.cuda.is_available():
+        return HBM_BYTES_PER_S
+    src = torch.empty(COPY_PROBE_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(COPY_PROBE_REPS):
+        dst.copy_(src)
+    sync()
+    rate = 2 * COPY_PROBE_BYTES * COPY_PROBE_REPS / (time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return rate
 
 
 def start_decoding(llm, batch: int, context: int, steps: int) -> list[str]:
