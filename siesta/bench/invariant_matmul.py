@@ -61,11 +61,14 @@ class Result:
 
 
 def parse_config(text: str) -> MatmulConfig:
-    """``64x128x64w4s4``: BLOCK_M x BLOCK_N x BLOCK_K, num_warps, num_stages (group_m 8)."""
-    blocks, rest = text.split("w")
+    """``64x128x64w4s4``: BLOCK_M x BLOCK_N x BLOCK_K, num_warps, num_stages (group_m 8); a
+    trailing ``t`` takes the persistent TMA kernel."""
+    tma = text.endswith("t")
+    blocks, rest = text.removesuffix("t").split("w")
     warps, stages = rest.split("s")
     m, n, k = (int(v) for v in blocks.split("x"))
-    return MatmulConfig(block_m=m, block_n=n, block_k=k, group_m=8, num_warps=int(warps), num_stages=int(stages))
+    return MatmulConfig(block_m=m, block_n=n, block_k=k, group_m=8, num_warps=int(warps), num_stages=int(stages),
+                        persistent_tma=tma)  # fmt: skip
 
 
 def _candidates(x: torch.Tensor, weights: list[torch.Tensor], shipped: torch.Tensor, alone: torch.Tensor,

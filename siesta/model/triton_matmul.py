@@ -71,6 +71,9 @@ class MatmulConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    # One program per SM looping over tiles, its operands fetched by the Hopper copy engine (TMA):
+    # which program computes a tile and how its bytes arrive, never the sum (see the docstring).
+    persistent_tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "group_m", "num_warps"):
@@ -170,6 +173,73 @@ def _matmul_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_n[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(
+    x_desc, w_desc, bias_ptr, out_ptr,
+    M, N, K, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``_matmul_kernel``'s arithmetic, persistent: program ``pid`` computes tiles pid, pid +
+    PROGRAMS, ... Each tile is one fp32 accumulator over K in BLOCK_K chunks in order, as there; the
+    descriptors fill reads past M, N or K with zeros, which is what the masks do there."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True):
+        first_m = (tile // per_group) * GROUP_M
+        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_rows
+        pid_n = (tile % per_group) // group_rows
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = x_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & n_mask[None, :])
+
+
+# TMA wants 16-byte aligned base addresses and row strides.
+TMA_ALIGN_BYTES = 16
+# The interpreter has no SMs to count; a few programs still walk the persistent loop.
+INTERPRETER_PROGRAMS = 4
+
+
+def _tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return all(t.data_ptr() % TMA_ALIGN_BYTES == 0 and t.stride(0) * t.element_size() % TMA_ALIGN_BYTES == 0
+               for t in (x, weight))  # fmt: skip
+
+
+def _programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch_tma(x, weight, bias, out, config: MatmulConfig) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x.shape
+    n = weight.shape[0]
+    programs = min(_programs(x.device), triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n))
+    _matmul_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x, [config.block_m, config.block_k]),
+        TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]),
+        bias if bias is not None else x, out,
+        m, n, k, out.stride(0),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        PROGRAMS=programs, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
 def matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: MatmulConfig | None = None
 ) -> torch.Tensor:
@@ -185,6 +255,9 @@ def matmul(
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     config = config or config_for(n, k, m, x.dtype)
+    if config.persistent_tma and _tma_ready(x, weight):
+        _launch_tma(x, weight, bias, out, config)
+        return out
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _matmul_kernel[grid](
         x, weight, bias if bias is not None else x, out,  # bias is never read without HAS_BIAS

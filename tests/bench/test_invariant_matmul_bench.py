@@ -28,16 +28,19 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
 def test_the_smoke_run_with_a_candidate_tile() -> None:
-    res = im.run(DEVICE, smoke=True, candidates=[im.parse_config("16x16x16w4s1")])
+    res = im.run(DEVICE, smoke=True, candidates=[im.parse_config("16x16x16w4s1"), im.parse_config("16x16x16w4s1t")])
     json.dumps(res)
     assert {r["shape"] for r in res["results"]} == {name for name, _, _ in im.SMOKE_SHAPES}
     for r in res["results"]:
         assert r["row_bits_as_alone"] and r["rel_err"] < 1e-5
-        (cand,) = r["candidates"]
-        assert cand["config"]["block_k"] == 16 and cand["us"] > 0
+        plain, tma = r["candidates"]
+        assert plain["config"]["block_k"] == 16 and plain["us"] > 0 and tma["config"]["persistent_tma"]
+        assert (tma["bits_as_shipped"], tma["row_bits_as_shipped_alone"]) == (plain["bits_as_shipped"],
+                                                                       plain["row_bits_as_shipped_alone"])
     rows = {row[0] for row in gpu.summary({"invariant_matmul": res})}
     assert {f"invariant GEMM / cuBLAS, {name} (M=1 / 3)" for name, _, _ in im.SMOKE_SHAPES} <= rows
 
 
 def test_parse_config() -> None:
     assert im.parse_config("128x256x64w8s3") == im.MatmulConfig(128, 256, 64, 8, 8, 3)
+    assert im.parse_config("128x128x64w8s4t") == im.MatmulConfig(128, 128, 64, 8, 8, 4, persistent_tma=True)

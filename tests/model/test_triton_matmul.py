@@ -20,6 +20,7 @@ is unreliable: fp32 and fp16 here, bf16 on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -166,6 +167,18 @@ def test_a_rows_bits_do_not_depend_on_its_batch(dtype: torch.dtype, with_bias: b
             assert torch.equal(out[at], alone[row]), f"M={m}: row {row} at {at} differs from its M=1 bits"
 
 
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_the_persistent_tma_kernel_gives_the_plain_kernels_bits(with_bias: bool) -> None:
+    """The same tile walked by one program per SM with TMA loads (zero-filled past M, N and K where
+    the plain kernel masks): the same sums, bit for bit, at every M, ragged K included."""
+    n, k = 77, 72
+    weight, bias = _operands(n, k, torch.float32, with_bias)
+    tma = dataclasses.replace(SMALL, persistent_tma=True)
+    for m in (1, 17, 130):
+        x = _rand((m, k), torch.float32, seed=m)
+        assert torch.equal(matmul(x, weight, bias, tma), matmul(x, weight, bias, SMALL)), m
+
+
 def test_every_row_bucket_reduces_in_the_same_order() -> None:
     """``config_for`` may change the tile with M, never BLOCK_K: the order of a row's sum."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -279,6 +292,10 @@ def test_bf16_rows_are_invariant_and_near_cublas_cuda() -> None:
         alone = matmul(x[40:41].contiguous(), weight)[0]
         for m in (64, 256, 1024):
             assert torch.equal(matmul(x[:m].contiguous(), weight)[40], alone), (n, k, m)
+        for config in (config_for(n, k, 1024, torch.bfloat16), config_for(n, k, 1, torch.bfloat16)):
+            tma = dataclasses.replace(config, persistent_tma=True)
+            assert torch.equal(matmul(x[:1024].contiguous(), weight, config=tma), matmul(x[:1024].contiguous(), weight,
+                               config=config)), (n, k, config)  # fmt: skip
     out = matmul(x[:256].contiguous(), weight)
     ref = torch.nn.functional.linear(x[:256], weight).float()
     assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 1.6e-2
