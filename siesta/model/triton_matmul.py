@@ -18,9 +18,11 @@ What makes this kernel invariant:
   few rows need many column tiles to spread the weight reads over the SMs, large ones for prefill.
   That the tile leaves an element's sum alone is the MMA's property (an element's k16 dot is the
   same datapath whatever the instruction's M and N), measured rather than proven: on an H100,
-  tiles of 64 or 128 rows, 32 to 256 columns, 4 or 8 warps, 3 or 4 stages gave every Llama-3-8B
-  matrix the same bits at M = 1, 64, 256 and 8192 (``python -m siesta.bench.invariant_matmul
-  --candidates ...``, ``bench/results/gpu-h100-2026-12-06-run47h-*``), and the GPU tests hold a
+  tiles of 16 to 128 rows (16 rows: Ampere's mma.sync; 64 and up: Hopper's wgmma), 16 to 256
+  columns, 4 or 8 warps, 3 to 8 stages, loaded by cp.async or by TMA in the persistent variant,
+  gave every Llama-3-8B matrix the same bits at M = 1, 64, 256 and 8192
+  (``python -m siesta.bench.invariant_matmul --candidates ...``, runs 47h and 48a under
+  ``bench/results/``), and the GPU tests hold a
   row to its bits across every bucket of ``config_for``.
 * Rows are independent: a tensor-core MMA computes each output row from its own row of x alone,
   whatever row of the tile it sits in; rows past M are masked to zeros and never stored.
@@ -31,14 +33,17 @@ What makes this kernel invariant:
 Which program computes which tile (the grouped order that keeps W tiles in L2) does depend on M;
 it moves work between SMs, never the arithmetic of an element.
 
-Cost against cuBLAS, end to end (``bash bench/gpu.sh --sections deterministic``, run 47d on an
-H100, Llama-3-8B shape, with the single 64x128 tile this module had then): +37.5 % at decode b1,
-+27.1 % at b64, +50.7 % at b256, +72.7 % on an 8k prefill, every case bit-identical. Per matrix
-(``python -m siesta.bench.invariant_matmul``, run 47h) that tile ran o_proj and down at 1.6-1.7x
-cuBLAS at one row (32 column tiles for N=4096) and every matrix at 1.7-1.9x at 8k rows; the
-tiles ``config_for`` now picks ran them at 1.3-1.4x in the same run. The end-to-end figure with
-these tiles is still to be measured. vLLM reports -0.6 % to -20 % end to end for its persistent
-version of the same idea; SGLang ~34 %.
+Cost against cuBLAS, end to end (``bash bench/gpu.sh --sections deterministic``, Llama-3-8B
+shape, H100), every case bit-identical:
+
+| tiles | decode b1 | b64 | b256 | prefill 8k |
+|---|---|---|---|---|
+| one 64x128 tile (run 47d) | +37.5 % | +27.1 % | +50.7 % | +72.7 % |
+| by M, cp.async only (run 48a) | +29.8 % | +22.6 % | +46.0 % | +29.1 % |
+
+Per matrix in run 48a, the tiles ``config_for`` picks now (more stages for decode, the persistent
+TMA kernel from 65 rows on) ran 1.03-1.15x cuBLAS at 1 and 64 rows, and 1.0-1.2x at 8k rows.
+vLLM reports -0.6 % to -20 % end to end for its persistent version of the same idea; SGLang ~34 %.
 
 Launches never synchronise with the host and allocate only the output: CUDA graphs capture them.
 """
@@ -89,23 +94,24 @@ class MatmulConfig:
 # The reduction chunk: fixed per dtype, for every row count (it orders a row's sum).
 HALF_BLOCK_K = 64
 FP32_BLOCK_K = 32
-# bf16/fp16 tiles by row count (run 47h, H100, Llama-3-8B's matrices against cuBLAS):
-# - decode (M <= 64): 64x32, 4 warps: N=4096 gives 128 column tiles to stream the weights (the
-#   64x128 tile left 32 and ran o_proj and down 1.6-1.7x cuBLAS; 64x32 runs them 1.3-1.4x);
-# - up to 512 rows: 64x128, 4 warps, or 128x128 on 8 warps for wide N (gate_up, the head);
-# - prefill: 128x128 on 8 warps, 128x256 where K or N is large (down, the head): 1.3-1.4x cuBLAS
-#   where the single 64x128 tile ran 1.7-1.9x.
+# bf16/fp16 tiles by row count: the fastest of the candidates timed on an H100 (run 48a,
+# Llama-3-8B's matrices against cuBLAS; every candidate gave the shipped bits at every M):
+# - up to 16 rows: 16x32, 6 stages (gate_up at one row 1.03x cuBLAS, where 64x32 ran 1.17x);
+# - up to 64 rows: 64x32, 6 stages: N=4096 gives 128 column tiles to stream the weights
+#   (1.06-1.15x; 4 stages ran 1.2-1.4x);
+# - up to 512 rows: 128x128 persistent TMA, 4 stages, or 128x256 for wide N (1.1-1.3x);
+# - prefill: 128x256 persistent TMA, 3 stages: 1.0-1.2x cuBLAS at 8k rows, where the plain
+#   128x128 kernel ran 1.35-1.47x.
+SMALL_DECODE_ROWS = 16
 DECODE_ROWS = 64
 MID_ROWS = 512
 WIDE_N = 16384
-LONG_K = 8192
-HUGE_N = 65536
-HALF_DECODE = MatmulConfig(block_m=64, block_n=32, block_k=HALF_BLOCK_K, group_m=8, num_warps=4, num_stages=4)
-HALF_MID = MatmulConfig(block_m=64, block_n=128, block_k=HALF_BLOCK_K, group_m=8, num_warps=4, num_stages=4)
-HALF_MID_WIDE = MatmulConfig(block_m=128, block_n=128, block_k=HALF_BLOCK_K, group_m=8, num_warps=8, num_stages=3)
-HALF_PREFILL = MatmulConfig(block_m=128, block_n=128, block_k=HALF_BLOCK_K, group_m=8, num_warps=8, num_stages=3)
-HALF_PREFILL_LARGE = MatmulConfig(block_m=128, block_n=256, block_k=HALF_BLOCK_K, group_m=8, num_warps=8,
-                                  num_stages=3)  # fmt: skip
+HALF_SMALL_DECODE = MatmulConfig(block_m=16, block_n=32, block_k=HALF_BLOCK_K, group_m=8, num_warps=4, num_stages=6)
+HALF_DECODE = MatmulConfig(block_m=64, block_n=32, block_k=HALF_BLOCK_K, group_m=8, num_warps=4, num_stages=6)
+HALF_MID = MatmulConfig(block_m=128, block_n=128, block_k=HALF_BLOCK_K, group_m=8, num_warps=8, num_stages=4,
+                        persistent_tma=True)  # fmt: skip
+HALF_WIDE = MatmulConfig(block_m=128, block_n=256, block_k=HALF_BLOCK_K, group_m=8, num_warps=8, num_stages=3,
+                         persistent_tma=True)  # fmt: skip
 # fp32 (``--head-dtype float32``'s LM head, fp32 models): IEEE products on the CUDA cores (no
 # TF32, whose 10-bit mantissa would be worse than cuBLAS's fp32), so smaller tiles; one for all M.
 FP32_CONFIG = MatmulConfig(block_m=64, block_n=64, block_k=FP32_BLOCK_K, group_m=8, num_warps=4, num_stages=3)
@@ -115,11 +121,13 @@ def config_for(n: int, k: int, m: int, dtype: torch.dtype) -> MatmulConfig:
     """The tile of ``[m, k] @ [n, k].T`` in ``dtype``. Its BLOCK_K, which orders every sum, is the
     dtype's alone; the rest follows the shape, M included (see the module's docstring)."""
     if dtype in _HALF_TYPES:
+        if m <= SMALL_DECODE_ROWS:
+            return HALF_SMALL_DECODE
         if m <= DECODE_ROWS:
             return HALF_DECODE
-        if m <= MID_ROWS:
-            return HALF_MID_WIDE if n >= WIDE_N else HALF_MID
-        return HALF_PREFILL_LARGE if k >= LONG_K or n >= HUGE_N else HALF_PREFILL
+        if m <= MID_ROWS and n < WIDE_N:
+            return HALF_MID
+        return HALF_WIDE
     if dtype == torch.float32:
         return FP32_CONFIG
     raise ValueError(f"invariant matmul takes {SUPPORTED_DTYPES}, got {dtype}")

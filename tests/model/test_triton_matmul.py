@@ -284,13 +284,13 @@ def test_a_rows_log_softmax_bits_do_not_depend_on_its_index_cuda(deterministic, 
 @GPU_ONLY
 def test_bf16_rows_are_invariant_and_near_cublas_cuda() -> None:
     """Llama-3-8B's o_proj and down in bf16: a row's bits alone and among others in every row
-    bucket of ``config_for`` (64, 256 and 1,024 rows: three tile shapes), and the result within
-    bf16 rounding of cuBLAS."""
+    bucket of ``config_for`` (1, 41, 256 and 1,024 rows: four tile shapes, mma.sync and wgmma,
+    cp.async and TMA), and the result within bf16 rounding of cuBLAS."""
     for n, k in ((4096, 4096), (4096, 14336)):
         weight = _rand((n, k), torch.bfloat16, seed=1, scale=k**-0.5)
         x = _rand((1024, k), torch.bfloat16, seed=2)
         alone = matmul(x[40:41].contiguous(), weight)[0]
-        for m in (64, 256, 1024):
+        for m in (41, 64, 256, 1024):
             assert torch.equal(matmul(x[:m].contiguous(), weight)[40], alone), (n, k, m)
         for config in (config_for(n, k, 1024, torch.bfloat16), config_for(n, k, 1, torch.bfloat16)):
             tma = dataclasses.replace(config, persistent_tma=True)
