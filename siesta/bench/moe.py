@@ -19,6 +19,7 @@ random weights, bf16) as the dense sections measure the 8B.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from typing import Any
 
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(args.moe_model, **base, gpu_memory_utilization=0.85, max_num_batched_tokens=args.moe_prefill_tokens)
     out["decode"] = decode(llm, args.decode_batches, args.decode_context, args.decode_steps)
     log_part("moe", "decode", out["decode"])
+    run_part(out, "moe", "kernels_batch1", functools.partial(_step_kernels, llm, args.decode_context))
     out["prefill"] = prefill(llm, args.moe_prefill_tokens)
     log_part("moe", "prefill", out["prefill"])
     del llm
@@ -141,6 +143,14 @@ def _sorted_small_batches(args: argparse.Namespace, base: dict[str, Any], pairs:
     return out
 
 
+def _step_kernels(llm, context: int) -> dict[str, Any]:
+    """A batch-1 decode step's kernels (launches, busy time, the costliest): where the step's time
+    goes beside the bytes the roofline counts."""
+    from siesta.bench.gpu import _engine_step_kernels
+
+    return _engine_step_kernels(llm, 1, context)
+
+
 def _resume(args: argparse.Namespace) -> dict[str, Any]:
     from siesta.bench.gpu import resume
 
@@ -163,6 +173,10 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
         if key.startswith("batch") and "pair_kernels_speedup" in cell:
             rows.append([f"MoE decode {key}: pair kernels / sorted", cell["pair_kernels_speedup"],
                          f"sorted {cell['tok_s']:,.0f} tok/s"])  # fmt: skip
+    kernels = res.get("kernels_batch1") or {}
+    if "launches" in kernels:
+        rows.append(["MoE decode batch1 kernel launches a step", kernels["launches"],
+                     f"device busy {kernels['device_busy_ms']:.2f} of {kernels['wall_ms']:.2f} ms"])  # fmt: skip
     if "prefill" in res:
         rows.append([f"MoE prefill {res['prefill']['tokens']} tok/s", res["prefill"]["tok_s"],
                      f"MFU {res['prefill']['mfu']:.0%} (goal >= 60%)"])  # fmt: skip

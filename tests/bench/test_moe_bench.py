@@ -31,9 +31,11 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     assert 0 < out["decode"]["batch4"]["of_roofline"] and out["prefill"]["tok_s"] > 0
     # bf16 on the CPU against transformers fp32, in units of transformers' own bf16 floor.
     assert out["fidelity"]["push_batch1"]["worst_ratio"] is not None
+    assert out["kernels_batch1"]["launches"] > 0 and out["kernels_batch1"]["top_kernels_ms_per_step"]
     # The A/B engine (experts always sorted) ran batch 1 only: the batches the pair kernels serve.
     assert {k for k in out["sorted_small_batches"] if k.startswith("batch")} == {"batch1"}
     assert out["sorted_small_batches"]["batch1"]["pair_kernels_speedup"] > 0
     rows = [r[0] for r in gpu.summary({"moe": out})]
     assert "MoE decode batch1 tok/s" in rows and "MoE logprobs / trainer's bf16 floor" in rows
     assert "MoE decode batch1: pair kernels / sorted" in rows
+    assert "MoE decode batch1 kernel launches a step" in rows
