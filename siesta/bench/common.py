@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -101,6 +102,20 @@ def release_memory() -> None:
         host_empty = getattr(torch._C, "_host_emptyCache", None)  # CUDA builds of torch >= 2.5
         if host_empty is not None:
             host_empty()
+
+
+def host_memory_gib() -> dict[str, float]:
+    """This process's resident memory (pinned buffers included) and the host's available memory, in
+    GiB, from /proc: what a section leaves to the next one. Empty where /proc is not Linux's."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for path, key, name in (("/proc/self/status", "VmRSS:", "process_rss"),
+                                ("/proc/meminfo", "MemAvailable:", "host_available")):  # fmt: skip
+            with open(path) as f:
+                kib = next((int(line.split()[1]) for line in f if line.startswith(key)), None)
+            if kib is not None:
+                out[name] = round(kib / 2**20, 2)
+    return out
 
 
 def run_part(out: dict[str, Any], section: str, name: str, step: Callable[[], Any]) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from siesta.bench import fp8 as fp8_bench
 from siesta.bench import moe as moe_bench
-from siesta.bench.common import print_table, random_prompts
+from siesta.bench.common import host_memory_gib, print_table, random_prompts, release_memory
 from siesta.bench.fidelity import summary_rows as fidelity_rows
 from siesta.bench.gpu_tp import summary_rows as tensor_parallel_rows
 from siesta.bench.gpu_tp import tensor_parallel
@@ -46,6 +46,7 @@ STEP_IO_DEADLINE_S = 0.1
 
 def _section(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
     print(f"\n== {name} ==", flush=True)
+    host_before = host_memory_gib()  # what earlier sections left: run 48b's fp8 resume read 14x after three
     t0 = time.perf_counter()
     try:
         results[name] = fn()
@@ -53,10 +54,9 @@ def _section(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]
         traceback.print_exc()
         results[name] = {"error": f"{type(e).__name__}: {e}"}
     results[name]["section_s"] = time.perf_counter() - t0
+    results[name]["host_memory_gib_before"] = host_before
     print(json.dumps(results[name], indent=1, default=str)[:3000], flush=True)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    release_memory()
 
 
 def make_llm(args: argparse.Namespace, **kw):

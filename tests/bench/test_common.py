@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from siesta.bench import common
 from siesta.bench.common import machine
 
 
@@ -37,3 +40,13 @@ def test_machine_names_the_isa_the_kernels_are_built_with() -> None:
     assert facts["kernel_isa"], "a native build on x86-64 uses at least SSE4.2"
     for feature in facts["kernel_isa"]:
         assert feature.replace("_", "") in {f.replace("_", "") for f in flags}, feature
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_host_memory_counts_what_this_process_holds() -> None:
+    before = common.host_memory_gib()
+    held = bytearray(512 << 20)  # touched: resident
+    after = common.host_memory_gib()
+    assert after["process_rss"] - before["process_rss"] >= 0.4
+    assert 0 < after["host_available"]
+    del held
