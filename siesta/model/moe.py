@@ -10,7 +10,8 @@ sum, as a row-parallel layer's are.
 On CUDA the experts run as one fused Triton kernel pair (``triton_moe``: tokens sorted by
 expert, a grouped GEMM with gate/up fused and SiLU applied, then down with the routing weight),
 which CUDA graphs capture; elsewhere the torch reference below, a loop over the experts a step
-touches. Both compute the same thing from the same router.
+touches. Both compute the same thing from the same router, whose softmax, top k and
+renormalisation are one Triton kernel on CUDA (``triton_router``) and torch ops elsewhere.
 """
 
 from __future__ import annotations
@@ -36,11 +37,24 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] in x's dtype, expert ids [T, k] int64)``, the largest weight first."""
         logits = linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        if logits.is_cuda:
+            from siesta.model import triton_router  # one launch for what route_reference takes six
+
+            return triton_router.route(logits, self.top_k, self.norm_topk_prob, x.dtype)
+        return route_reference(logits, self.top_k, self.norm_topk_prob, x.dtype)
+
+
+def route_reference(
+    logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` -> ``(weights [T, k] in dtype, expert ids [T, k] int64)``: a softmax
+    in fp32, the top k, renormalised to sum to one where ``normalize`` says (transformers'
+    Qwen3-MoE router's arithmetic); the CPU path, and ``triton_router``'s oracle."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), ids
 
 
 class Experts(nn.Module):

@@ -1,0 +1,75 @@
+"""The fused router tail (``siesta.model.triton_router``) against ``moe.route_reference`` (torch's
+softmax and topk, transformers' Qwen3-MoE arithmetic): the same experts in the same order and
+the same weights within fp32's last bits, with and without renormalisation, expert counts that are
+and are not powers of two, and ties broken towards the lowest expert index.
+
+Without a GPU the kernel runs in Triton's interpreter."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+if "siesta.model.triton_router" in sys.modules:  # @triton.jit reads TRITON_INTERPRET at definition
+    importlib.reload(sys.modules["siesta.model.triton_router"])
+
+from siesta.model.moe import route_reference  # noqa: E402
+from siesta.model.triton_router import route  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+@pytest.mark.parametrize("experts,top_k", [(128, 8), (60, 4), (8, 2), (5, 5)])
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm_topk_prob", "raw"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matches_torch_softmax_and_topk(experts: int, top_k: int, normalize: bool, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(experts * 10 + top_k)
+    logits = (torch.randn(37, experts, generator=gen) * 3).to(dtype).to(DEVICE)
+    weights, ids = route(logits, top_k, normalize, dtype)
+    want_w, want_ids = route_reference(logits, top_k, normalize, dtype)
+    assert ids.dtype == torch.int64 and weights.dtype == dtype and weights.shape == (37, top_k)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the same fp32 value, at most
+    torch.testing.assert_close(weights.float(), want_w.float(), rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        assert torch.equal(ids, want_ids)
+    else:
+        # bf16 logits tie exactly (8-bit mantissas): torch orders tied experts its own way. Each
+        # pick must still be an expert whose probability is at least the k-th largest, each once.
+        probs = torch.softmax(logits.float(), dim=-1)
+        kth = probs.topk(top_k, dim=-1).values[:, -1:]
+        assert (probs.gather(1, ids) >= kth).all()
+        assert all(len(set(row)) == top_k for row in ids.tolist())
+        untied = (probs >= kth).sum(-1) == top_k  # no tie across the k-th place: the same set
+        assert torch.equal(ids[untied].sort(-1).values, want_ids[untied].sort(-1).values)
+    if normalize:
+        torch.testing.assert_close(weights.float().sum(-1), torch.ones(37, device=DEVICE), rtol=2e-2, atol=2e-2)
+
+
+def test_ties_go_to_the_lowest_expert_and_each_expert_once() -> None:
+    logits = torch.zeros(3, 16, device=DEVICE)
+    logits[1, [3, 9, 12]] = 2.0
+    logits[2] = torch.arange(16.0, device=DEVICE).flip(0)  # expert 0 largest
+    weights, ids = route(logits, 4, False, torch.float32)
+    assert ids[0].tolist() == [0, 1, 2, 3]
+    assert ids[1].tolist() == [3, 9, 12, 0]
+    assert ids[2].tolist() == [0, 1, 2, 3]
+    assert torch.allclose(weights[0], torch.full((4,), 1 / 16, device=DEVICE))
+
+
+def test_a_strided_view_and_no_tokens() -> None:
+    base = torch.randn(6, 40, device=DEVICE)
+    view = base[:, :20]  # rows 40 apart
+    assert torch.equal(route(view, 3, True, torch.float32)[1], route_reference(view, 3, True, torch.float32)[1])
+    weights, ids = route(torch.empty(0, 20, device=DEVICE), 3, True, torch.float32)
+    assert weights.shape == ids.shape == (0, 3)
+    with pytest.raises(ValueError, match="top_k"):
+        route(base, 41, True, torch.float32)
