@@ -40,9 +40,10 @@ shape, H100), every case bit-identical:
 |---|---|---|---|---|
 | one 64x128 tile (run 47d) | +37.5 % | +27.1 % | +50.7 % | +72.7 % |
 | by M, cp.async only (run 48a) | +29.8 % | +22.6 % | +46.0 % | +29.1 % |
+| ``config_for``'s now: 6-stage decode tiles, persistent TMA from 65 rows (run 48b) | +16.7 % | +19.7 % | +41.2 % | +4.7 % |
 
-Per matrix in run 48a, the tiles ``config_for`` picks now (more stages for decode, the persistent
-TMA kernel from 65 rows on) ran 1.03-1.15x cuBLAS at 1 and 64 rows, and 1.0-1.2x at 8k rows.
+Per matrix (run 48a) today's tiles run 1.03-1.15x cuBLAS at 1 and 64 rows and 1.0-1.2x at 8k
+rows, so most of what decode still pays is outside these GEMMs (at b256 ~4 of the 5.9 ms added).
 vLLM reports -0.6 % to -20 % end to end for its persistent version of the same idea; SGLang ~34 %.
 
 Launches never synchronise with the host and allocate only the output: CUDA graphs capture them.
@@ -188,7 +189,8 @@ def _matmul_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """``_matmul_kernel``'s arithmetic, persistent: program ``pid`` computes tiles pid, pid +
+    """(PROGRAMS is a constant, as measured in run 48b: a kernel compiles per program count, at
+    most a few per matrix, min(SMs, tiles).) ``_matmul_kernel``'s arithmetic, persistent: program ``pid`` computes tiles pid, pid +
     PROGRAMS, ... Each tile is one fp32 accumulator over K in BLOCK_K chunks in order, as there; the
     descriptors fill reads past M, N or K with zeros, which is what the masks do there."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
