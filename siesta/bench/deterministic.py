@@ -1,7 +1,9 @@
 """Deterministic (batch-invariant) mode against the default, each in a process of its own (cuBLAS
 reads its workspace setting when it makes its handle, so one process cannot hold both):
 
-* cost: decode step time at batch 1, 64 and 256, and an 8k-token prefill;
+* cost: decode step time at batch 1, 64 and 256, and an 8k-token prefill; a profiled decode step
+  of each mode at the smallest and largest batch, and the kernels whose time grew most between
+  them (where the cost is);
 * bits: one request alone, beside 63 others, with its prompt chunked small and whole, its
   prefix loaded from the host tier, and resumed across a sleep that keeps the tier — equal in
   deterministic mode (the default mode's figures say what it would not hold).
@@ -22,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from siesta.bench.common import random_prompts
-from siesta.bench.steps import decode_step_s, sync
+from siesta.bench.steps import decode_step_s, engine_step_kernels, sync
 
 NEW_TOKENS = 16
 TIER_BYTES = 8 << 30
+GROWN_KERNELS = 6  # the kernels a mode's step added the most time to, per profiled batch
 
 
 def _bits(llm, prompts: list[list[int]], index: int = 0) -> list:
@@ -78,6 +81,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     out["equal_to_alone"] = {name: run == runs["alone"] for name, run in runs.items() if name != "alone"}
     for b in args.decode_batches:
         out[f"decode_b{b}_step_ms"] = decode_step_s(llm, b, args.decode_context, args.decode_steps) * 1e3
+    for b in sorted({min(args.decode_batches), max(args.decode_batches)}):
+        out[f"kernels_b{b}"] = engine_step_kernels(llm, b, args.decode_context)
     del llm
     llm = LLM(args.model, **(kw | {"kv_transfer_config": None, "max_num_batched_tokens": args.prefill_tokens}))
     for rep in range(2):  # the first compiles; each its own prompt, or the second would hit the prefix cache
@@ -129,7 +134,20 @@ def both_modes(extra: list[str]) -> dict[str, Any]:
     base, det = res["default"], res["deterministic"]
     res["cost"] = {k: det[k] / base[k] - 1 for k in base if k.endswith(("_ms", "_s")) and base[k]}
     res["bit_identical"] = all(det["equal_to_alone"].values())
+    res["kernels_grown_ms"] = {key: grown_kernels(base[key], det[key]) for key in base
+                               if key.startswith("kernels_") and key in det}  # fmt: skip
     return res
+
+
+def grown_kernels(base: dict[str, Any], det: dict[str, Any]) -> dict[str, float]:
+    """Per kernel name, the deterministic step's ms less the default step's (a kernel only one
+    mode runs counts in full), the largest growths first; what the top lists of both left out
+    counts as 0 there, so a small figure may be understated."""
+    b, d = base["top_kernels_ms_per_step"], det["top_kernels_ms_per_step"]
+    grown = {name: d.get(name, 0.0) - b.get(name, 0.0) for name in {*b, *d}}
+    top = sorted(grown.items(), key=lambda kv: -kv[1])[:GROWN_KERNELS]
+    return {"device_busy": det["device_busy_ms"] - base["device_busy_ms"],
+            "launches": det["launches"] - base["launches"], **{k: round(v, 4) for k, v in top}}  # fmt: skip
 
 
 def main() -> None:

@@ -28,7 +28,14 @@ from siesta.bench.gpu_tp import summary_rows as tensor_parallel_rows
 from siesta.bench.gpu_tp import tensor_parallel
 from siesta.bench.load_floor import DEFAULT_LINK_GBPS
 from siesta.bench.resume_http import DEFAULT_TOKENIZER
-from siesta.bench.steps import decode_step_s, device_kernels, hbm_bytes_per_s, start_decoding, sync
+from siesta.bench.steps import (
+    KERNELS_TOP,
+    decode_step_s,
+    device_kernels,
+    engine_step_kernels,
+    hbm_bytes_per_s,
+    sync,
+)
 from siesta.bench.weight_transfer import summary_rows as weight_transfer_rows
 from siesta.bench.weight_transfer import weight_transfer
 
@@ -36,8 +43,6 @@ RESUME_NEW_TOKENS = 8  # the seed client's max_tokens
 BF16_PEAK_FLOPS = 989e12  # datasheet dense bf16; the measured matmul ceiling is ~774e12
 MEASURED_MATMUL_FLOPS = 774e12
 MIXED_REPS = 10
-KERNELS_TOP = 16
-PROFILED_STEPS = 10
 TRACE_SLOW_STEPS = 3
 STEP_IO_REPS = 30
 STEP_IO_DEADLINE_S = 0.1
@@ -719,28 +724,8 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, Any]:
                 fn()
                 busy_ms, launches, top = device_kernels(fn, top=KERNELS_TOP)
                 res[f"batch{b}"][name] = {"device_busy_ms": busy_ms, "launches": launches, "top_kernels": top}
-        res[f"batch{b}"]["engine_steps"] = _engine_step_kernels(llm, b, args.decode_context)
+        res[f"batch{b}"]["engine_steps"] = engine_step_kernels(llm, b, args.decode_context)
     return res
-
-
-def _engine_step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
-    """Per engine decode step (the defaults, in steady state): wall ms, device busy ms and
-    kernel launches, and the costliest kernels; everything the step runs, graph or not."""
-    ids = start_decoding(llm, batch, context, PROFILED_STEPS * 2)  # timed, then profiled
-
-    def steps() -> None:
-        for _ in range(PROFILED_STEPS):
-            llm.step()
-
-    sync()
-    t0 = time.perf_counter()
-    steps()
-    sync()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / PROFILED_STEPS
-    busy_ms, launches, top = device_kernels(steps, top=KERNELS_TOP)
-    llm.abort(ids)
-    return {"wall_ms": wall_ms, "device_busy_ms": busy_ms / PROFILED_STEPS, "launches": launches / PROFILED_STEPS,
-            "top_kernels_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in top.items()}}  # fmt: skip
 
 
 def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
@@ -892,6 +877,10 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
                      " / ".join(f"{cost.get(k, 0):+.1%}" for k in ("decode_b1_step_ms", "decode_b64_step_ms",
                                                                     "decode_b256_step_ms", "prefill8192_s")),
                      f"goal <= 10%; bit-identical: {results['deterministic']['bit_identical']}"])  # fmt: skip
+        for key, grown in (results["deterministic"].get("kernels_grown_ms") or {}).items():
+            name, ms = next(((k, v) for k, v in grown.items() if k not in ("device_busy", "launches")), ("-", 0.0))
+            rows.append([f"deterministic step, {key.removeprefix('kernels_')}: device ms added", grown["device_busy"],
+                         f"most by {name[:40]} (+{ms:.3f} ms)"])  # fmt: skip
     if isinstance(results.get("fidelity"), dict):
         rows.extend(fidelity_rows(results["fidelity"]))
     for shape, line in (results.get("seed_line") or {}).items():

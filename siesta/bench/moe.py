@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from siesta.bench.common import log_part, release_memory, run_part
-from siesta.bench.steps import decode_step_s, hbm_bytes_per_s, sync
+from siesta.bench.steps import decode_step_s, engine_step_kernels, hbm_bytes_per_s, sync
 
 BF16_PEAK_FLOPS = 989e12
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
@@ -146,9 +146,7 @@ def _sorted_small_batches(args: argparse.Namespace, base: dict[str, Any], pairs:
 def _step_kernels(llm, context: int) -> dict[str, Any]:
     """A batch-1 decode step's kernels (launches, busy time, the costliest): where the step's time
     goes beside the bytes the roofline counts."""
-    from siesta.bench.gpu import _engine_step_kernels
-
-    return _engine_step_kernels(llm, 1, context)
+    return engine_step_kernels(llm, 1, context)
 
 
 def _resume(args: argparse.Namespace) -> dict[str, Any]:

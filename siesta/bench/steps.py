@@ -14,6 +14,8 @@ HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200 (the
 COPY_PROBE_BYTES = 2 << 30  # far beyond L2 (50-60 MB), so the copy streams HBM
 COPY_PROBE_REPS = 5
 TOP_KERNELS = 8
+KERNELS_TOP = 16  # the costliest kernels a step profile keeps
+PROFILED_STEPS = 10
 WARM_STEPS = 3  # decode steps after the last prefill, before timing
 
 
@@ -96,3 +98,23 @@ def device_kernels(fn: Callable[[], Any], top: int = TOP_KERNELS) -> tuple[float
         launches += 1
     costliest = dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:top])
     return sum(per_name.values()), launches, {k[:80]: round(v, 3) for k, v in costliest.items()}
+
+
+def engine_step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
+    """Per engine decode step (the defaults, in steady state): wall ms, device busy ms and
+    kernel launches, and the costliest kernels; everything the step runs, graph or not."""
+    ids = start_decoding(llm, batch, context, PROFILED_STEPS * 2)  # timed, then profiled
+
+    def steps() -> None:
+        for _ in range(PROFILED_STEPS):
+            llm.step()
+
+    sync()
+    t0 = time.perf_counter()
+    steps()
+    sync()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / PROFILED_STEPS
+    busy_ms, launches, top = device_kernels(steps, top=KERNELS_TOP)
+    llm.abort(ids)
+    return {"wall_ms": wall_ms, "device_busy_ms": busy_ms / PROFILED_STEPS, "launches": launches / PROFILED_STEPS,
+            "top_kernels_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in top.items()}}  # fmt: skip

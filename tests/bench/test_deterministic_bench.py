@@ -18,3 +18,18 @@ def test_the_deterministic_section_runs_both_modes_on_the_cpu_in_small():
     out = gpu.deterministic(argparse.Namespace(**(vars(args) | small)))
     assert out["bit_identical"], out["deterministic"]["equal_to_alone"]
     assert {"decode_b1_step_ms", "decode_b8_step_ms", "prefill256_s"} <= set(out["cost"])
+    # A profiled step of each mode at the smallest and largest batch, and what grew between them.
+    assert set(out["kernels_grown_ms"]) == {"kernels_b1", "kernels_b8"}
+    rows = [r[0] for r in gpu.summary({"deterministic": out})]
+    assert "deterministic step, b8: device ms added" in rows
+    for grown in out["kernels_grown_ms"].values():
+        assert {"device_busy", "launches"} <= set(grown) and len(grown) > 2
+
+
+def test_grown_kernels_counts_a_kernel_only_one_mode_runs_in_full():
+    from siesta.bench.deterministic import grown_kernels
+
+    base = {"device_busy_ms": 5.0, "launches": 100, "top_kernels_ms_per_step": {"gemm": 3.0, "split": 1.0}}
+    det = {"device_busy_ms": 7.5, "launches": 90, "top_kernels_ms_per_step": {"gemm": 3.5, "prefill_tile": 2.0}}
+    assert grown_kernels(base, det) == {"device_busy": 2.5, "launches": -10, "prefill_tile": 2.0, "gemm": 0.5,
+                                        "split": -1.0}  # fmt: skip
