@@ -25,6 +25,7 @@ the ``weight_transfer`` section of ``siesta.bench.gpu``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -531,8 +532,9 @@ def _ipc_arms(o: SimpleNamespace, source: Any, tensors: dict[str, torch.Tensor],
             _run_arm(res, "ipc_packed", lambda: _push_arm(client, tensors, o, **packed))
             check["packed_push"] = _same(after, _engine_logprobs(client, prompt, n))
             masters = {k: t.float() for k, t in tensors.items()}  # fp32 masters whose bf16 cast is `tensors`
-            _run_arm(res, "plain_cast_copy", lambda: _copy_arm(list(masters.values()), torch.bfloat16, o.wt_reps, dev))
-            _run_arm(res, "ipc_fp32", lambda: _push_arm(client, masters, o))
+            _run_arm(res, "plain_cast_copy",
+                     functools.partial(_copy_arm, list(masters.values()), torch.bfloat16, o.wt_reps, dev))
+            _run_arm(res, "ipc_fp32", functools.partial(_push_arm, client, masters, o))
             del masters
             _empty_cache(dev)
             check["fp32_push"] = _same(after, _engine_logprobs(client, prompt, n))
@@ -564,7 +566,7 @@ def weight_transfer(args: argparse.Namespace) -> dict[str, Any]:
     vocab = source.hf_config.vocab_size
     prompt = random_prompts(1, o.wt_prompt_len, o.wt_prompt_len, vocab, seed=11)[0]
     check: dict[str, Any] = {}
-    _run_arm(res, "plain_copy", lambda: _copy_arm(list(tensors.values()), torch.bfloat16, o.wt_reps, dev))
+    _run_arm(res, "plain_copy", functools.partial(_copy_arm, list(tensors.values()), torch.bfloat16, o.wt_reps, dev))
     _empty_cache(dev)
 
     try:
@@ -578,7 +580,7 @@ def weight_transfer(args: argparse.Namespace) -> dict[str, Any]:
     if o.wt_skip_nccl:
         res["nccl"] = {"skipped": "--skip-nccl"}
     else:
-        _run_arm(res, "nccl", lambda: _nccl_arm(o, tensors))
+        _run_arm(res, "nccl", functools.partial(_nccl_arm, o, tensors))
     del tensors
     _ratios(res)
     return res
