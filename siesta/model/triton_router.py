@@ -10,7 +10,12 @@ one after another: the largest first, the lowest expert index first among equal 
 The program reads and writes only its own token's row, so a token's route does not depend on the
 batch around it (deterministic mode takes it too). Against torch the weights may differ in the
 last bit of fp32 (another exp and another order of the sum), which can only reorder picks that
-are tied to within that bit; the tests count none on random logits.
+are tied to within that bit; the tests count none on random logits. Exact ties are common, though:
+bf16 logits of 128 experts put the 8th and 9th in one bf16 step for roughly one token-layer in
+ten. Where such a tie crosses the k-th place this kernel keeps the lower expert index; torch's
+CUDA top-k (a radix select, then the values equal to the k-th gathered in index order, as we read
+its source) should keep the same, and a GPU test compares the two sets on 4,096 bf16 rows. It has
+not run yet: until it has, a trainer's routing may differ from ours at those ties.
 """
 
 from __future__ import annotations

@@ -73,3 +73,15 @@ def test_a_strided_view_and_no_tokens() -> None:
     assert weights.shape == ids.shape == (0, 3)
     with pytest.raises(ValueError, match="top_k"):
         route(base, 41, True, torch.float32)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="torch's CUDA top-k is the trainer's on the GPU (bench/gpu.sh runs it)")
+def test_on_cuda_ties_across_the_kth_place_pick_what_torch_picks() -> None:
+    """bf16 router logits tie exactly (one bf16 step is ~1/8 of the usual gap between the 8th and
+    9th of 128); a trainer's torch.topk then picks among them, and the engine must pick the same
+    experts, or its logprobs leave the trainer's wherever the tied experts differ."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4096, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    _, ids = route(logits, 8, True, torch.bfloat16)
+    _, want = route_reference(logits, 8, True, torch.bfloat16)
+    assert torch.equal(ids.sort(-1).values, want.sort(-1).values)
