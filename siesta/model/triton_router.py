@@ -12,10 +12,10 @@ batch around it (deterministic mode takes it too). Against torch the weights may
 last bit of fp32 (another exp and another order of the sum), which can only reorder picks that
 are tied to within that bit; the tests count none on random logits. Exact ties are common, though:
 bf16 logits of 128 experts put the 8th and 9th in one bf16 step for roughly one token-layer in
-ten. Where such a tie crosses the k-th place this kernel keeps the lower expert index; torch's
-CUDA top-k (a radix select, then the values equal to the k-th gathered in index order, as we read
-its source) should keep the same, and a GPU test compares the two sets on 4,096 bf16 rows. It has
-not run yet: until it has, a trainer's routing may differ from ours at those ties.
+ten. Where such a tie crosses the k-th place this kernel keeps the lower expert index, as torch's
+CUDA top-k does for rows this short (``TensorTopK.cu``'s single-block ``gatherTopK``: a radix
+select of the k-th value, then the values equal to it taken "first seen", in index order). A GPU
+test compares the two sets on 4,096 bf16 rows; it has not run on a GPU yet.
 """
 
 from __future__ import annotations
