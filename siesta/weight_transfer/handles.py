@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import os
 import pickle
 from typing import Any
@@ -32,7 +31,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from siesta.brief import brief
-from siesta.weight_transfer.wire import WIRE_DTYPES, WeightTransferError
+from siesta.weight_transfer.wire import WIRE_DTYPES, WeightTransferError, restricted_load
 
 SHM_DIR = "/dev/shm"
 SHM_KEY = "shm"
@@ -74,12 +73,7 @@ def decode_base64(data: Any, field: str) -> bytes:
 def unpickle_handles(data: str) -> Any:
     """``ipc_handles_pickled`` (base64 of a pickle) -> the handles, through the restricted unpickler."""
     raw = decode_base64(data, "ipc_handles_pickled")
-    try:
-        return _HandleUnpickler(io.BytesIO(raw)).load()
-    except WeightTransferError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any malformed pickle is the sender's error
-        raise WeightTransferError(f"ipc_handles_pickled does not decode: {type(e).__name__}: {e}") from None
+    return restricted_load(_HandleUnpickler, raw, "ipc_handles_pickled does not decode: {error}")
 
 
 def shm_handle(path: str, offset: int, nbytes: int) -> dict[str, Any]:

@@ -27,7 +27,6 @@ Names and shapes are checked by the engine when the received tensors are loaded.
 
 from __future__ import annotations
 
-import io
 import pickle
 import time
 from collections.abc import Iterator
@@ -46,7 +45,7 @@ from siesta.weight_transfer.group import (
     connect_store,
     make_process_group,
 )
-from siesta.weight_transfer.wire import WIRE_DTYPES, WeightTransferError
+from siesta.weight_transfer.wire import WIRE_DTYPES, WeightTransferError, restricted_load
 
 CPU_ARM_PREFIX = "prime-rl-gloo"
 # The broadcast's metadata pickle may name only these.
@@ -129,12 +128,7 @@ class _UniqueIdUnpickler(pickle.Unpickler):
 
 def read_unique_id(data: bytes) -> bytes:
     """The 128 bytes of the ``ncclUniqueId`` that vLLM's ``broadcast_obj`` pickled into ``data``."""
-    try:
-        uid = _UniqueIdUnpickler(io.BytesIO(data)).load()
-    except WeightTransferError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a torn or foreign pickle
-        raise WeightTransferError(f"the trainer's NCCL unique id is not vLLM's ({type(e).__name__}: {e})") from None
+    uid = restricted_load(_UniqueIdUnpickler, data, "the trainer's NCCL unique id is not vLLM's ({error})")
     if not isinstance(uid, _UniqueIdBytes):
         raise WeightTransferError("the trainer's first broadcast object is not vLLM's ncclUniqueId")
     return bytes(uid)
@@ -251,12 +245,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _read_metadata(data: bytes) -> dict[torch.dtype, list[tuple[str, torch.Size, int]]]:
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except WeightTransferError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a torn or foreign pickle
-        raise WeightTransferError(f"the broadcast's metadata is not prime-rl's ({type(e).__name__}: {e})") from None
+    metadata = restricted_load(_MetadataUnpickler, data, "the broadcast's metadata is not prime-rl's ({error})")
     if not isinstance(metadata, dict) or not all(isinstance(k, torch.dtype) for k in metadata):
         raise WeightTransferError("the broadcast's metadata must map dtypes to (name, shape, numel) entries")
     for entries in metadata.values():

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.multiprocessing import reductions
 
-from siesta.weight_transfer.wire import WIRE_DTYPES, WeightTransferError
+from siesta.weight_transfer.wire import WIRE_DTYPES, WeightTransferError, restricted_load
 
 IPC_PREFIX = "ipc:///tmp/rl-colocate-zmq-"
 IPC_SUFFIX = ".sock"
@@ -107,12 +107,7 @@ class SharedBuffer:
 
     @classmethod
     def parse(cls, data: bytes) -> SharedBuffer:
-        try:
-            handle = _HandleUnpickler(io.BytesIO(data)).load()
-        except WeightTransferError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a torn or foreign pickle
-            raise WeightTransferError(f"verl's buffer handle does not decode: {type(e).__name__}: {e}") from None
+        handle = restricted_load(_HandleUnpickler, data, "verl's buffer handle does not decode: {error}")
         if isinstance(handle, tuple) and len(handle) == 2 and isinstance(handle[0], _Recorder):
             call = _Call(handle[0].name, tuple(handle[1]))  # reduce_tensor's (fn, args), sent as is
         elif isinstance(handle, _Call):
@@ -158,12 +153,7 @@ class Bucket:
 
     @classmethod
     def parse(cls, data: bytes) -> Bucket:
-        try:
-            message = _MetaUnpickler(io.BytesIO(data)).load()
-        except WeightTransferError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise WeightTransferError(f"verl's bucket metadata does not decode: {type(e).__name__}: {e}") from None
+        message = restricted_load(_MetaUnpickler, data, "verl's bucket metadata does not decode: {error}")
         if not isinstance(message, dict) or not isinstance(message.get("bucket_meta"), dict):
             raise WeightTransferError('verl\'s bucket metadata is {"bucket_meta": {name: {...}}, "is_last": bool}')
         tensors = []

@@ -15,7 +15,9 @@ both sides derive the same buckets from the declared shapes and dtypes alone.
 
 from __future__ import annotations
 
+import io
 import math
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +46,18 @@ _INIT_KEYS = {"master_address", "master_port", "rank_offset", "world_size", "tim
 
 class WeightTransferError(ValueError):
     """An update or init the engine refuses; the message names the offending field or tensor."""
+
+
+def restricted_load(unpickler: type[pickle.Unpickler], data: bytes, refusal: str) -> Any:
+    """A trainer's pickle through ``unpickler`` (whose ``find_class`` allows only what that wire
+    format holds). Its own refusals pass through; anything else a torn or foreign pickle raises
+    becomes a ``WeightTransferError``: ``refusal`` with ``{error}`` filled in."""
+    try:
+        return unpickler(io.BytesIO(data)).load()
+    except WeightTransferError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a torn or foreign pickle is the sender's error
+        raise WeightTransferError(refusal.format(error=f"{type(e).__name__}: {e}")) from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
