@@ -29,7 +29,7 @@ from siesta.bench.gpu_tp import tensor_parallel
 from siesta.bench.load_floor import DEFAULT_LINK_GBPS
 from siesta.bench.resume_http import DEFAULT_TOKENIZER
 from siesta.bench.steps import (
-    KERNELS_TOP,
+    PROFILE_TOP_KERNELS,
     decode_step_s,
     device_kernels,
     engine_step_kernels,
@@ -722,7 +722,7 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, Any]:
         with torch.inference_mode():
             for name, fn in parts.items():
                 fn()
-                busy_ms, launches, top = device_kernels(fn, top=KERNELS_TOP)
+                busy_ms, launches, top = device_kernels(fn, top=PROFILE_TOP_KERNELS)
                 res[f"batch{b}"][name] = {"device_busy_ms": busy_ms, "launches": launches, "top_kernels": top}
         res[f"batch{b}"]["engine_steps"] = engine_step_kernels(llm, b, args.decode_context)
     return res

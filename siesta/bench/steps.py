@@ -13,8 +13,8 @@ from siesta.bench.common import random_prompts
 HBM_BYTES_PER_S = 4.2e12  # measured device-to-device copy on the lent H200 (the CPU's stand-in)
 COPY_PROBE_BYTES = 2 << 30  # far beyond L2 (50-60 MB), so the copy streams HBM
 COPY_PROBE_REPS = 5
-TOP_KERNELS = 8
-KERNELS_TOP = 16  # the costliest kernels a step profile keeps
+TOP_KERNELS = 8  # device_kernels keeps this many by default
+PROFILE_TOP_KERNELS = 16  # what the step profiles (and the per-part profiles of decode_kernels) keep
 PROFILED_STEPS = 10
 WARM_STEPS = 3  # decode steps after the last prefill, before timing
 
@@ -114,7 +114,7 @@ def engine_step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
     steps()
     sync()
     wall_ms = (time.perf_counter() - t0) * 1e3 / PROFILED_STEPS
-    busy_ms, launches, top = device_kernels(steps, top=KERNELS_TOP)
+    busy_ms, launches, top = device_kernels(steps, top=PROFILE_TOP_KERNELS)
     llm.abort(ids)
     return {"wall_ms": wall_ms, "device_busy_ms": busy_ms / PROFILED_STEPS, "launches": launches / PROFILED_STEPS,
             "top_kernels_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in top.items()}}  # fmt: skip
