@@ -20,6 +20,11 @@ TRAINER_CALL_S = 180.0
 # Logprobs against the trainer's, fp32 both sides (the engine's fp32 attention is exact on a GPU too).
 TOLERANCE = 1e-4
 FEW_TOKENS_S = 0.05  # the tiny model samples ~20 tokens meanwhile on the 2-core machine
+# A request that a pause or an abort must meet mid-generation: the whole context the server takes
+# (``MAX_MODEL_LEN``), ~5 s of decoding on the 2-core machine, so a loaded machine's stall between
+# "it runs" and the abort cannot let it finish first (480 tokens, ~1 s, once did).
+MAX_MODEL_LEN = 2048  # tiny-llama's max_position_embeddings
+LONG_TOKENS = MAX_MODEL_LEN - 48  # room for the longest prompt a framework module sends
 
 
 class TrainerProcess:

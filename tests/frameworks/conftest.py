@@ -13,7 +13,7 @@ import json
 import pytest
 from e2e.servers import start_server, stop_server
 
-from frameworks.common import TrainerProcess
+from frameworks.common import MAX_MODEL_LEN, TrainerProcess
 
 TIMEOUT_S = 10.0  # the engine's bound on a silent trainer
 
@@ -22,7 +22,7 @@ TIMEOUT_S = 10.0  # the engine's bound on a silent trainer
 def rl_server():
     server = start_server(
         "--dev-mode", "random:tiny-llama", "--dtype", "float32", "--kv-cache-bytes", str(32 << 20),
-        "--max-model-len", "512", "--weight-transfer-config", json.dumps({"backend": "nccl", "timeout_s": TIMEOUT_S}),
+        "--max-model-len", str(MAX_MODEL_LEN), "--weight-transfer-config", json.dumps({"backend": "nccl", "timeout_s": TIMEOUT_S}),
     )  # fmt: skip
     yield server
     stop_server(server)

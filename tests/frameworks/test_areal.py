@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from frameworks.common import check_against_trainer, get, in_flight, ok, post
+from frameworks.common import LONG_TOKENS, check_against_trainer, get, in_flight, ok, post
 from siesta.weight_transfer.sender import free_port
 
 PROMPT = [9, 8, 7, 6, 5, 4, 3, 300, 301, 302, 303, 40, 41, 42, 43, 44]
@@ -60,7 +60,7 @@ def test_paused_twice_and_in_place_then_a_distributed_push(url, trainer, group):
 
 
 def test_an_interrupted_rollout_is_resubmitted_with_what_it_generated(url, trainer, group):
-    thread, box = in_flight(url, lambda: generate(url, PROMPT, max_new_tokens=480, ignore_eos=True))
+    thread, box = in_flight(url, lambda: generate(url, PROMPT, max_new_tokens=LONG_TOKENS, ignore_eos=True))
     ok(post(url, "/pause_generation", {}))
     thread.join(60)
     out = box["out"]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from frameworks.common import check_against_trainer, get, in_flight, ok, post
+from frameworks.common import LONG_TOKENS, check_against_trainer, get, in_flight, ok, post
 from siesta.weight_transfer.sender import free_port
 
 PROMPT = [12, 13, 14, 15, 200, 201, 202, 203, 7, 7, 7, 7, 500, 600, 700, 800]
@@ -64,7 +64,7 @@ def test_filesystem_updates_while_a_rollout_is_frozen(url, trainer, tmp_path):
     trainer("primerl_save", weight_dir=str(tmp_path / "step_1"))
     update_weights(url, tmp_path / "step_1")
     check_against_trainer(trainer, PROMPT, *parsed(generate(url, model, 1)))
-    long, box = in_flight(url, lambda: generate(url, model, 1, max_tokens=480))
+    long, box = in_flight(url, lambda: generate(url, model, 1, max_tokens=LONG_TOKENS))
     trainer("seed", seed=302, dtype="bfloat16")
     trainer("primerl_save", weight_dir=str(tmp_path / "step_2"))
     update_weights(url, tmp_path / "step_2")  # keep mode: the rollout in flight waits, then goes on

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from frameworks.common import check_against_trainer, get, in_flight, ok, post
+from frameworks.common import LONG_TOKENS, check_against_trainer, get, in_flight, ok, post
 from siesta.weight_transfer.sender import free_port
 
 PROMPT = [31, 32, 33, 34, 35, 36, 700, 701, 702, 703, 704, 90, 91, 92, 93, 94]
@@ -56,7 +56,7 @@ def test_non_colocated_keep_pause_and_broadcast(url, trainer, joined):
 
 
 def test_fully_async_sleep_for_weight_sync_with_a_frozen_rollout(url, trainer, joined):
-    thread, box = in_flight(url, lambda: generate(url, 1, max_tokens=480))
+    thread, box = in_flight(url, lambda: generate(url, 1, max_tokens=LONG_TOKENS))
     trainer("seed", seed=502)
     ok(post(url, "/pause", params={"mode": "keep", "clear_cache": "false"}))
     try:

@@ -31,7 +31,7 @@ import uuid
 import pytest
 import torch
 
-from frameworks.common import check_against_trainer, get, in_flight, ok, post
+from frameworks.common import LONG_TOKENS, check_against_trainer, get, in_flight, ok, post
 from siesta.weight_transfer.sender import free_port
 
 PROMPT = [5, 17, 42, 7, 99, 300, 11, 64, 8, 1, 250, 77, 21, 9, 4, 33]
@@ -98,7 +98,7 @@ def test_top_p_below_one_returns_the_sets_slime_replays(url, trainer, group):
 
 def test_abort_until_idle_then_the_partial_rollout_is_resent_and_hits_its_blocks(url, trainer, group):
     trainer("slime_push_distributed", url=url, group_name=group, version="slime-3")
-    long, box = in_flight(url, lambda: generate(url, PROMPT, max_new_tokens=480, ignore_eos=True))
+    long, box = in_flight(url, lambda: generate(url, PROMPT, max_new_tokens=LONG_TOKENS, ignore_eos=True))
     while requests_left(url) > 0:  # abort_server_until_idle
         post(url, "/abort_request", {"abort_all": True})
         time.sleep(0.1)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import uuid
 
-from frameworks.common import ON_GPU, check_against_trainer, in_flight, ok, post
+from frameworks.common import LONG_TOKENS, ON_GPU, check_against_trainer, in_flight, ok, post
 
 PROMPT = [21, 22, 23, 24, 25, 400, 401, 402, 403, 404, 60, 61, 62, 63, 64, 65]
 
@@ -46,7 +46,7 @@ def test_the_sglang_path_release_resume_buckets_abort(url, trainer):
     trainer("verl_sglang_push", url=url)
     ok(post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]}))
     check_against_trainer(trainer, PROMPT, *sglang_parsed(sglang_generate(url)))
-    thread, box = in_flight(url, lambda: sglang_generate(url, max_new_tokens=480, ignore_eos=True))
+    thread, box = in_flight(url, lambda: sglang_generate(url, max_new_tokens=LONG_TOKENS, ignore_eos=True))
     assert post(url, "/abort_request", {"rid": "", "abort_all": True}).status_code == 200
     thread.join(60)
     assert box["out"]["meta_info"]["finish_reason"]["type"] == "abort"
