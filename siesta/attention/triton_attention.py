@@ -236,7 +236,8 @@ class TritonAttention:
         """Any batch in one launch: prefill tiles and decode rows side by side.
 
         ``skip_decode`` leaves decode rows unwritten, for ``decode`` to fill;
-        ``decode_as_prefill`` computes them with the prefill tile (deterministic mode).
+        ``decode_as_prefill`` computes them with the prefill tile: the bits deterministic mode's
+        decode rows must have (``siesta.bench.invariant_attention`` checks them against it).
         ``scales``: the layer's K and V scales, for an fp8 cache.
         """
         shapes = _shapes(q, k_cache)
@@ -410,11 +411,18 @@ class TritonAttention:
         out: torch.Tensor,
         num_splits: int | None = None,
         scales: tuple[float, float] = UNIT_SCALES,
+        tiles: tiling.Tiles | None = None,
     ) -> None:
-        """Decode rows (one query each): split-KV, then merge if split. Other rows are skipped."""
+        """Decode rows (one query each): split-KV, then merge if split. Other rows are skipped.
+        ``tiles``: other than the decode table's (deterministic mode's); ``block_m`` is then the
+        fewest query-head rows a program holds."""
         shapes = _shapes(q, k_cache)
         dtype = _compute_dtype(q, k_cache)
-        tiles = tiling.decode_tiles(shapes.head_dim, dtype)
+        block_h = _decode_block_h(shapes.group)
+        if tiles is None:
+            tiles = tiling.decode_tiles(shapes.head_dim, dtype)
+        else:
+            block_h = max(block_h, tiles.block_m)
         if num_splits is None:
             num_splits = self.num_splits(meta.num_reqs, meta.max_seq_len, shapes.num_kv_heads, q.device)
         splits = num_splits
@@ -451,7 +459,7 @@ class TritonAttention:
             HEAD_DIM=shapes.head_dim,
             BLOCK_D=shapes.block_d,
             GROUP=shapes.group,
-            BLOCK_H=_decode_block_h(shapes.group),
+            BLOCK_H=block_h,
             BLOCK_N=tiles.block_n,
             PAGE_SIZE=k_cache.shape[1],
             WRITE_PARTIALS=write_partials,
@@ -492,11 +500,14 @@ class TritonAttention:
 
 
 class BatchInvariantTritonAttention(TritonAttention):
-    """Deterministic mode: every batch in one unified launch, decode rows through the prefill
-    tile, no split-KV and no SDPA. A query row then walks its keys in the same tiles, from key
-    0, whatever else is in its tile or its batch, and however its prompt was chunked: key tiles
-    past its own position are wholly masked and leave its sums as they were (the rescale is
-    exp2(0) = 1, the added terms 0). The cost: long contexts at small batch get no split-KV."""
+    """Deterministic mode: no split-KV and no SDPA. A query row walks its keys in the prefill
+    tile's key steps, from key 0, whatever else is in its tile or its batch, and however its
+    prompt was chunked: key tiles past its own position are wholly masked and leave its sums as
+    they were (the rescale is exp2(0) = 1, the added terms 0). Prefill rows take the unified
+    kernel's prefill tile; one-token rows (decode rows, and a one-token chunk) take the decode
+    kernel unsplit, with that key step and a narrow tile (``tiling.invariant_decode_tiles``), so a
+    token has the bits it would have in a chunk. The cost: long contexts at small batch get no
+    split-KV."""
 
     name = "triton"
 
@@ -511,8 +522,14 @@ class BatchInvariantTritonAttention(TritonAttention):
             q = q.contiguous()
         if out is None:
             out = torch.empty_like(q)
-        if meta.num_reqs and q.shape[0]:
-            self.unified(q, k_cache, v_cache, meta, scale, out, decode_as_prefill=True, scales=scales)
+        if not meta.num_reqs or not q.shape[0]:
+            return out
+        if not meta.is_decode_only:
+            self.unified(q, k_cache, v_cache, meta, scale, out, skip_decode=True, scales=scales)
+        starts = meta.query_start_loc_cpu
+        if meta.is_decode_only or any(starts[i + 1] - starts[i] == 1 for i in range(meta.num_reqs)):
+            tiles = tiling.invariant_decode_tiles(q.shape[-1], _compute_dtype(q, k_cache))
+            self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=1, scales=scales, tiles=tiles)
         return out
 
 

@@ -59,6 +59,21 @@ WIDE_DECODE_TILES: dict[int, Tiles] = {
     128: Tiles(block_m=MIN_DOT_DIM, block_n=32, num_warps=4, num_stages=2),
     256: Tiles(block_m=MIN_DOT_DIM, block_n=16, num_warps=4, num_stages=2),
 }
+# Deterministic mode's decode rows (``BatchInvariantTritonAttention``): a row's bits depend on
+# its key step and on how each score tile is summed, so these keep the prefill tile's key step
+# (``block_n``, checked by the suite) and take a 16-row tile for the token's query heads rather
+# than the prefill tile's 128, which computed 32 rows for every 4 useful ones. Whether the narrow
+# tile's products and sums give the wide tile's bits is the hardware's matter: the GPU tests and
+# ``python -m siesta.bench.invariant_attention`` check it on the card.
+INVARIANT_DECODE_TILES: dict[int, Tiles] = {
+    64: Tiles(block_m=MIN_DOT_DIM, block_n=64, num_warps=4, num_stages=3),
+    128: Tiles(block_m=MIN_DOT_DIM, block_n=128, num_warps=4, num_stages=2),
+    256: Tiles(block_m=MIN_DOT_DIM, block_n=32, num_warps=4, num_stages=2),
+}
+# fp32 caches (tests, CPU-sized runs): the prefill tiles themselves, rows and all. Speed does not
+# matter there, and Triton's interpreter, whose products are numpy's, gives other bits for a
+# product of other rows.
+WIDE_INVARIANT_DECODE_TILES = WIDE_PREFILL_TILES
 _HALF_BYTES = 2
 
 # Split-KV: aim for this many resident programs per SM so HBM sees enough loads in flight.
@@ -79,6 +94,11 @@ def prefill_tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
 def decode_tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
     wide = dtype.itemsize > _HALF_BYTES
     return _tiles_for(WIDE_DECODE_TILES if wide else DECODE_TILES, head_dim)
+
+
+def invariant_decode_tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
+    wide = dtype.itemsize > _HALF_BYTES
+    return _tiles_for(WIDE_INVARIANT_DECODE_TILES if wide else INVARIANT_DECODE_TILES, head_dim)
 
 
 def _tiles_for(table: dict[int, Tiles], head_dim: int) -> Tiles:

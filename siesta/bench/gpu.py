@@ -816,6 +816,19 @@ def _invariant_matmul():
     return invariant_matmul
 
 
+def _invariant_attention():
+    """Imported when used, as ``_invariant_matmul``."""
+    from siesta.bench import invariant_attention
+
+    return invariant_attention
+
+
+def invariant_attention(args: argparse.Namespace) -> dict[str, Any]:
+    module = _invariant_attention()
+    candidates = [module.parse_candidate(c) for c in args.attention_candidates.split(",") if c]
+    return module.run(torch.device(args.device or "cuda"), candidates=candidates)
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "correctness": correctness,
     "resume": resume,
@@ -838,12 +851,13 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "moe": lambda args: moe_bench.run(args),
     "fp8": lambda args: fp8_bench.run(args),
     "invariant_matmul": lambda args: _invariant_matmul().run(torch.device(args.device or "cuda")),
+    "invariant_attention": invariant_attention,
 }
 # Run by name only: diagnostics; resume_http, which runs the resume section again beside the
 # server; tensor_parallel, which needs a host with several GPUs; invariant_matmul, deterministic
-# mode's GEMM against cuBLAS per matrix.
+# mode's GEMM against cuBLAS per matrix; invariant_attention, its decode rows against the prefill tile.
 DIAGNOSTIC_SECTIONS = ("resume_http", "resume_trace", "decode_trace", "step_io", "decode_kernels", "tensor_parallel",
-                       "invariant_matmul")  # fmt: skip
+                       "invariant_matmul", "invariant_attention")  # fmt: skip
 
 
 def summary(results: dict[str, Any]) -> list[list[Any]]:
@@ -941,6 +955,8 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
         rows.extend(moe_bench.summary_rows(results["moe"]))
     if isinstance(results.get("invariant_matmul"), dict) and "results" in results["invariant_matmul"]:
         rows.extend(_invariant_matmul().summary_rows(results["invariant_matmul"]))
+    if isinstance(results.get("invariant_attention"), dict) and "rows" in results["invariant_attention"]:
+        rows.extend(_invariant_attention().summary_rows(results["invariant_attention"]))
     if "tensor_parallel" in results:
         rows.extend(tensor_parallel_rows(results["tensor_parallel"]))
     return rows
@@ -978,6 +994,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fidelity-checkpoint", default="qwen2.5-0.5b", help="fidelity: the shape also loaded from disk")
     ap.add_argument("--fidelity-kv-bytes", type=int, default=FIDELITY_KV_BYTES)
     ap.add_argument("--fidelity-head-shape", default="llama-3-8b", help="fidelity: the shape also run with the fp32 head")
+    ap.add_argument("--attention-candidates", default="16w4s3,16w8s2,64w4s2",
+                    help="invariant_attention: other row tiles to try (rows w warps s stages)")
     ap.add_argument("--deterministic-extra", default=None, help="deterministic: more flags (CPU test runs)")
     ap.add_argument("--seed-line-shapes", type=lambda s: s.split(","), default=["qwen2.5-7b", "llama-3-8b"],
                     help="seed_line: the random shapes served as $MODEL, one server each")

@@ -441,19 +441,30 @@ def _replay(batch: Batch, picks: list[tuple[int, int]]):
     return q, kv, kv, meta
 
 
-def test_batch_invariant_mode_gives_a_token_the_same_bits_in_a_chunk_as_a_decode_row() -> None:
-    """Deterministic mode: the last token of a 40-token extend over a cached prefix has the same
+# (head_dim, group, dtype): the CPU's interpreter checks the logic; the GPU checks that the
+# decode rows' narrow tile reaches the prefill tile's bits on the card, for the heads served
+# (Llama-3 and Qwen3-MoE 128 x 4 and x 8, Qwen2.5-7B's group of 7, SmolLM2's 64 x 3).
+INVARIANT_CASES = [(64, 4, torch.float32)] + ([(128, 4, torch.bfloat16), (128, 7, torch.bfloat16),
+    (128, 8, torch.bfloat16), (64, 3, torch.bfloat16), (256, 2, torch.bfloat16), (128, 4, torch.float16),
+    (128, 4, torch.float32)] if ON_GPU else [])  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim,group,dtype", INVARIANT_CASES)
+def test_batch_invariant_mode_gives_a_token_the_same_bits_in_a_chunk_as_a_decode_row(head_dim, group, dtype) -> None:
+    """Deterministic mode: the last token of a 300-token extend over a cached prefix has the same
     output bits computed inside that chunk, at the end of shorter chunks over longer prefixes,
     and as a decode row, alone or beside other requests."""
     from siesta.attention.triton_attention import BatchInvariantTritonAttention
 
-    block, head_dim, group = 16, 64, 4
-    batch = make_batch([(70, 40), (33, 1), (0, 25), (50, 1), (0, 9)], group, head_dim, block, torch.float32, seed=7)
+    block = 16
+    specs = [(70, 300), (33, 1), (0, 25), (50, 1), (0, 9)] if ON_GPU else [(70, 40), (33, 1), (0, 25), (50, 1), (0, 9)]
+    batch = make_batch(specs, group, head_dim, block, dtype, seed=7)
     backend = BatchInvariantTritonAttention()
     full = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale)
     check_against_oracles(batch, backend, full)
     token = full[batch.meta.query_start_loc_cpu[1] - 1]
-    for picks in ([(0, 1)], [(0, 7)], [(0, 39)], [(3, 1), (0, 1), (4, 9)], [(2, 25), (0, 1), (1, 1)]):
+    long = specs[0][1] - 1
+    for picks in ([(0, 1)], [(0, 7)], [(0, long)], [(3, 1), (0, 1), (4, 9)], [(2, 25), (0, 1), (1, 1)]):
         q, k, v, meta = _replay(batch, picks)
         out = backend.forward(q, k, v, batch.kv_cache, LAYER, meta, batch.scale)
         row = meta.query_start_loc_cpu[[i for i, _ in picks].index(0) + 1] - 1

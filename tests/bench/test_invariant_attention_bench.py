@@ -1,0 +1,50 @@
+"""The ``invariant_attention`` section of the GPU bench, smoke-sized: it runs end to end (under
+Triton's interpreter on the CPU), a candidate tile is timed and bit-checked against the prefill
+tile, and the table reads it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from siesta.attention import triton_tiles as tiling  # noqa: E402
+from siesta.bench import gpu  # noqa: E402
+from siesta.bench import invariant_attention as ia  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def test_the_smoke_run_with_a_candidate_tile() -> None:
+    res = ia.run(DEVICE, smoke=True, candidates=[ia.parse_candidate("64w4s2")])
+    json.dumps(res)
+    (row,) = res["rows"]
+    assert row["shipped_bits_equal"] and res["all_shipped_bits_equal"]
+    assert min(row["split_us"], row["prefill_tile_us"], row["shipped_us"]) > 0
+    (cand,) = row["candidates"]
+    # The key step is the prefill tile's, whatever the candidate's rows.
+    assert cand["tiles"]["block_n"] == tiling.prefill_tiles(32, torch.float32).block_n
+    assert cand["bits_equal"]  # the wide prefill tile's own rows: the same products
+    (summary,) = ia.summary_rows(res)
+    assert summary[0] == "deterministic decode rows / prefill tile, tiny (b3, 40)" and "bits equal: True" in summary[2]
+    assert summary in gpu.summary({"invariant_attention": res})
+
+
+def test_parse_candidate() -> None:
+    assert ia.parse_candidate("16w4s3") == tiling.Tiles(block_m=16, block_n=0, num_warps=4, num_stages=3)
+
+
+def test_decode_rows_keep_the_prefill_tiles_key_step() -> None:
+    """A row's bits depend on its key step: deterministic mode's decode tiles take the prefill
+    tiles' for every head size and width."""
+    for head_dim in (64, 128, 256):
+        for dtype in (torch.bfloat16, torch.float32):
+            decode = tiling.invariant_decode_tiles(head_dim, dtype)
+            assert decode.block_n == tiling.prefill_tiles(head_dim, dtype).block_n
