@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from siesta.bench.common import log_part, release_memory, run_part
-from siesta.bench.steps import decode_step_s, engine_step_kernels, hbm_bytes_per_s, sync
+from siesta.bench.steps import BatchDoesNotFit, decode_step_s, engine_step_kernels, hbm_bytes_per_s, sync
 
 BF16_PEAK_FLOPS = 989e12
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
@@ -56,7 +56,11 @@ def decode(llm, batches: list[int], context: int, steps: int) -> dict[str, Any]:
     bandwidth = hbm_bytes_per_s()
     res: dict[str, Any] = {"bytes": sizes, "bytes_per_expert": per_expert, "hbm_bytes_per_s": bandwidth}
     for b in batches:
-        dt = decode_step_s(llm, b, context, steps)
+        try:
+            dt = decode_step_s(llm, b, context, steps)
+        except BatchDoesNotFit as e:
+            res[f"batch{b}"] = {"skipped": str(e)}
+            continue
         touched = expected_experts_touched(b, shape.num_experts, shape.top_k)
         step_bytes = (sizes["dense"] + b * hidden * 2 + len(shape.sparse_layers) * touched * per_expert
                       + b * context * kv_per_token)  # fmt: skip
@@ -164,7 +168,9 @@ def _push(args: argparse.Namespace) -> dict[str, Any]:
 def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
     rows = []
     for key, cell in (res.get("decode") or {}).items():
-        if key.startswith("batch"):
+        if key.startswith("batch") and "skipped" in cell:
+            rows.append([f"MoE decode {key} tok/s", "-", f"skipped: {cell['skipped']}"])
+        elif key.startswith("batch"):
             rows.append([f"MoE decode {key} tok/s", cell["tok_s"], f"{cell['of_roofline']:.0%} of the bytes-read roofline "
                          f"({cell['experts_touched_per_layer']:.0f} experts a layer)"])  # fmt: skip
     for key, cell in (res.get("sorted_small_batches") or {}).items():

@@ -43,6 +43,10 @@ def hbm_bytes_per_s() -> float:
     return rate
 
 
+class BatchDoesNotFit(RuntimeError):
+    """A decode batch whose KV the engine cannot hold at once (a card with less memory)."""
+
+
 def start_decoding(llm, batch: int, context: int, steps: int) -> list[str]:
     """``batch`` greedy requests of ``context`` random tokens, prefilled and a few steps into
     decoding, each with room for ``steps`` more: every row is still decoding when they are timed.
@@ -55,6 +59,11 @@ def start_decoding(llm, batch: int, context: int, steps: int) -> list[str]:
     vocab = llm.engine.vocab_size
     prefill_steps = -(-batch * context // llm.config.scheduler.max_num_batched_tokens) + batch
     params = SamplingParams(temperature=0, max_tokens=prefill_steps + steps + WARM_STEPS + 8, ignore_eos=True)
+    held = llm.engine.runner.num_blocks * llm.config.cache.block_size
+    if batch * (context + params.max_tokens) > held:
+        # Rows would wait for others to finish, and the timed steps would not hold the batch.
+        raise BatchDoesNotFit(f"the KV cache holds {held:,} tokens; {batch} rows of {context} + "
+                              f"{params.max_tokens} need {batch * (context + params.max_tokens):,}")  # fmt: skip
     ids = [llm.add_request({"prompt_token_ids": p}, params) for p in random_prompts(batch, context, context, vocab, 7)]
     requests = llm.engine.scheduler.requests
     while any(r.num_output_tokens == 0 for r in requests.values()):

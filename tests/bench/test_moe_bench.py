@@ -39,3 +39,8 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     assert "MoE decode batch1 tok/s" in rows and "MoE logprobs / trainer's bf16 floor" in rows
     assert "MoE decode batch1: pair kernels / sorted" in rows
     assert "MoE decode batch1 kernel launches a step" in rows
+
+
+def test_a_skipped_batch_reads_as_skipped_in_the_table() -> None:
+    res = {"decode": {"batch256": {"skipped": "the KV cache holds 100 tokens; ..."}}}
+    assert gpu.summary({"moe": res}) == [["MoE decode batch256 tok/s", "-", "skipped: the KV cache holds 100 tokens; ..."]]

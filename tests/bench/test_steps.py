@@ -3,8 +3,10 @@ even when chunked prefill took many steps and decoded the first rows meanwhile."
 
 from __future__ import annotations
 
+import pytest
+
 from siesta import LLM
-from siesta.bench.steps import start_decoding
+from siesta.bench.steps import BatchDoesNotFit, start_decoding
 
 
 def test_every_row_decodes_through_the_timed_steps() -> None:
@@ -17,3 +19,12 @@ def test_every_row_decodes_through_the_timed_steps() -> None:
         llm.step()
         assert all(rid in requests and not requests[rid].status.finished for rid in ids)
     llm.abort(ids)
+
+
+def test_a_batch_the_kv_cannot_hold_is_refused_before_it_runs() -> None:
+    """Rows that wait for others to finish would leave the timed steps a smaller batch."""
+    llm = LLM("random:tiny-llama", device="cpu", kv_cache_bytes=1 << 20, max_model_len=1024)
+    held = llm.engine.runner.num_blocks * llm.config.cache.block_size
+    with pytest.raises(BatchDoesNotFit, match=f"holds {held:,} tokens"):
+        start_decoding(llm, 64, held // 64, 5)
+    assert not llm.engine.scheduler.requests
