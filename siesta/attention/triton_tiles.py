@@ -60,15 +60,16 @@ WIDE_DECODE_TILES: dict[int, Tiles] = {
     256: Tiles(block_m=MIN_DOT_DIM, block_n=16, num_warps=4, num_stages=2),
 }
 # Deterministic mode's decode rows (``BatchInvariantTritonAttention``): a row's bits depend on
-# its key step and on how each score tile is summed, so these keep the prefill tile's key step
-# (``block_n``, checked by the suite) and take a 16-row tile for the token's query heads rather
-# than the prefill tile's 128, which computed 32 rows for every 4 useful ones. Whether the narrow
-# tile's products and sums give the wide tile's bits is the hardware's matter: the GPU tests and
-# ``python -m siesta.bench.invariant_attention`` check it on the card.
+# its key step and on how the card computes and sums each score tile. These keep the prefill
+# tile's key step (``block_n``, checked by the suite) and take 64 rows and one warpgroup where
+# the prefill tile has 128 rows and two: on Hopper both issue the same 64-row wgmma for a row,
+# and H100 run 49b (``python -m siesta.bench.invariant_attention``) found their bits equal for
+# every head shape, batch, context and KV dtype tried. A 16-row tile (mma.sync, as the
+# default decode kernel) was 15 % faster at batch 256 but gave other bits in some rows.
 INVARIANT_DECODE_TILES: dict[int, Tiles] = {
-    64: Tiles(block_m=MIN_DOT_DIM, block_n=64, num_warps=4, num_stages=3),
-    128: Tiles(block_m=MIN_DOT_DIM, block_n=128, num_warps=4, num_stages=2),
-    256: Tiles(block_m=MIN_DOT_DIM, block_n=32, num_warps=4, num_stages=2),
+    64: Tiles(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    128: Tiles(block_m=64, block_n=128, num_warps=4, num_stages=2),
+    256: PREFILL_TILES[256],  # no narrower tile measured: the prefill tile's own
 }
 # fp32 caches (tests, CPU-sized runs): the prefill tiles themselves, rows and all. Speed does not
 # matter there, and Triton's interpreter, whose products are numpy's, gives other bits for a

@@ -7,7 +7,8 @@ In deterministic mode a one-token row must have the bits it would have inside a 
 where the unified kernel's prefill tile (128 query rows on Hopper for 128-wide heads) computes
 it. Sending decode rows through that tile costs up to 32 rows of products for every 4 useful
 ones. ``BatchInvariantTritonAttention`` gives them the decode kernel instead, unsplit, with the
-prefill tile's key step and a narrow row tile (``triton_tiles.INVARIANT_DECODE_TILES``).
+prefill tile's key step and a narrower row tile (``triton_tiles.INVARIANT_DECODE_TILES``): the
+bits must still be the prefill tile's, which this checks on the card.
 
 Per head shape, KV dtype and (batch, context): the µs of the default mode's split-KV decode,
 of the prefill tile (the reference), of the shipped narrow tile and of each ``--candidates``

@@ -469,3 +469,26 @@ def test_batch_invariant_mode_gives_a_token_the_same_bits_in_a_chunk_as_a_decode
         out = backend.forward(q, k, v, batch.kv_cache, LAYER, meta, batch.scale)
         row = meta.query_start_loc_cpu[[i for i, _ in picks].index(0) + 1] - 1
         assert torch.equal(out[row], token), picks
+    # Every token of the chunk as a decode row over its own prefix, all in one batch: a tile
+    # that reaches other bits only now and then shows here (one token alone may pass by chance).
+    q, meta = _decode_rows(batch, 0)
+    out = backend.forward(q, q[:, :NUM_KV_HEADS], q[:, :NUM_KV_HEADS], batch.kv_cache, LAYER, meta, batch.scale)
+    chunk = full[: batch.meta.query_start_loc_cpu[1]]
+    differ = (out != chunk).flatten(1).any(1).nonzero().flatten().tolist()
+    assert not differ, f"tokens {differ[:8]} of {len(chunk)} differ as decode rows"
+
+
+def _decode_rows(batch: Batch, req: int):
+    """Request ``req``'s new tokens as decode rows, each over the prefix up to itself (its K/V
+    already written): the queries and the metadata. Nothing is written (negative slots)."""
+    starts, lens = batch.meta.query_start_loc_cpu, batch.meta.seq_lens_cpu
+    n = starts[req + 1] - starts[req]
+    seq_lens = [lens[req] - n + 1 + j for j in range(n)]
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=batch.meta.block_tables[[req] * n].contiguous(),
+        slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=DEVICE),
+        max_query_len=1, max_seq_len=max(seq_lens), query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=seq_lens,
+    )  # fmt: skip
+    return batch.q[starts[req] : starts[req + 1]], meta
