@@ -15,8 +15,9 @@
 
 At one or two tokens (``PAIR_PATH_MAX_TOKENS``) the experts skip the sort: one program per
 (token, k) pair and feature tile streams that pair's expert rows as a GEMV does (products summed
-on the CUDA cores in fp32, loads pipelined), gate/up then down, the routing weight applied as in
-the tiled kernels. ``align`` was some 30 small launches a layer; the two pair kernels replace
+on the CUDA cores in fp32, loads pipelined) for gate/up; for down, one program per token and
+feature tile streams its k experts' rows in turn and sums their weighted outputs, so neither the
+per-pair buffer nor the sum's launch is needed (``_down_sum_kernel``). ``align`` was some 30 small launches a layer; the two pair kernels replace
 them, and took a Qwen3-30B-A3B batch-1 step on an H100 from 119 to 146 tok/s (run 48a). The
 step is still launch-bound: 1,024 launches, 4.7 ms of device time in 6.3 ms (run 48b's profile).
 A token's k experts are distinct, so at one token no expert is read twice; at two, rarely (an expert both tokens chose is read twice, where
@@ -78,7 +79,10 @@ ONE_HOT_MAX_PAIRS = 2048
 PAIR_BLOCK_N = 16
 PAIR_BLOCK_K = 256
 PAIR_NUM_WARPS = 4
+# The down-and-sum kernel has k times fewer programs than pairs (at one token, one a feature
+# tile: 128 for Qwen3-30B-A3B on 132 SMs), so each keeps one stage more of loads in flight.
 PAIR_NUM_STAGES = 3
+DOWN_SUM_NUM_STAGES = PAIR_NUM_STAGES + 1
 
 
 def tiles_for(num_pairs: int, num_experts: int) -> MoeTiles:
@@ -205,14 +209,14 @@ def _fused_moe_pairs(
         TOP_K=k, BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, EVEN_K=hidden % PAIR_BLOCK_K == 0,
         NUM_STAGES=PAIR_NUM_STAGES, num_warps=PAIR_NUM_WARPS,
     )  # fmt: skip
-    pair_out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
-    _down_pair_kernel[(n, triton.cdiv(hidden, PAIR_BLOCK_N))](
-        act, down, flat_ids, flat_weights, pair_out, hidden, inter,
-        act.stride(0), down.stride(0), down.stride(1), pair_out.stride(0),
-        BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, EVEN_K=inter % PAIR_BLOCK_K == 0,
-        NUM_STAGES=PAIR_NUM_STAGES, num_warps=PAIR_NUM_WARPS,
+    out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
+    _down_sum_kernel[(t, triton.cdiv(hidden, PAIR_BLOCK_N))](
+        act, down, flat_ids, flat_weights, out, hidden, inter,
+        act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        TOP_K=k, BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, EVEN_K=inter % PAIR_BLOCK_K == 0,
+        NUM_STAGES=DOWN_SUM_NUM_STAGES, num_warps=PAIR_NUM_WARPS,
     )  # fmt: skip
-    return sum_over_k(pair_out.view(t, k, hidden))
+    return out
 
 
 @triton.jit
@@ -259,22 +263,33 @@ def _gate_up_pair_kernel(
 
 
 @triton.jit
-def _down_pair_kernel(
+def _down_sum_kernel(
     a_ptr, w_ptr, ids_ptr, weight_ptr, out_ptr, H, I,
     stride_am, stride_we, stride_wn, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):  # fmt: skip
-    """Program (pair, n): ``weight * down_e act`` for BLOCK_N outputs of pair ``pair``."""
-    pair = tl.program_id(0)
+    """Program (token, n): ``sum_k weight_k * down_{e_k} act_k`` for BLOCK_N outputs of ``token``.
+
+    One loop over the token's k experts' K chunks, so the loads stay pipelined across experts.
+    Each pair's output is rounded to the output dtype before it is added, and the k of them are
+    summed in k order in fp32, rounded once: what the pair outputs stored and then summed
+    (``moe.sum_over_k``) give, without the buffer and the sum's launch."""
+    token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_n % H).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
-    a_ptrs = a_ptr + pair.to(tl.int64) * stride_am + offs_k
+    chunks = tl.cdiv(I, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for step in tl.range(0, TOP_K * chunks, num_stages=NUM_STAGES):
+        j = step // chunks
+        k0 = (step - j * chunks) * BLOCK_K
+        pair = token * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn + (k0 + offs_k)[None, :]
+        a_ptrs = a_ptr + pair * stride_am + k0 + offs_k
         if EVEN_K:
             w = tl.load(w_ptrs)
             a = tl.load(a_ptrs)
@@ -283,10 +298,11 @@ def _down_pair_kernel(
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
             a = tl.load(a_ptrs, mask=k_mask, other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-        w_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-    out = tl.sum(acc, axis=1) * tl.load(weight_ptr + pair).to(tl.float32)
-    tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+        if k0 + BLOCK_K >= I:  # the expert's last chunk: its output joins the sum
+            pair_out = tl.sum(acc, axis=1) * tl.load(weight_ptr + pair).to(tl.float32)
+            total += pair_out.to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
