@@ -118,7 +118,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            return (*self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm), v)
         return (*self.rotary(positions, q, k), v)
 
     def attend(

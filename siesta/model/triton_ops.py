@@ -1,4 +1,5 @@
-"""Fused Triton kernels for the decoder's small ops: RMSNorm (+ residual add), SiLU-and-mul, RoPE.
+"""Fused Triton kernels for the decoder's small ops: RMSNorm (+ residual add), SiLU-and-mul, RoPE,
+and Qwen3's per-head q/k RMSNorm with RoPE in one launch.
 
 Each replaces a chain of torch ops (and their intermediate tensors) with one kernel
 and reproduces the torch code in ``layers.py``/``llama.py`` rounding step by rounding
@@ -418,4 +419,148 @@ def apply_rope(
         num_warps=row_num_warps(2 * block_hq * block_half),
         enable_fp_fusion=False,
     )
+    return q_out, k_out
+
+
+# ------------------------------------------------------------------- q/k norm + RoPE
+
+
+@triton.jit
+def _norm_rope_heads(
+    src,
+    stride_head,
+    dst,
+    w_ptr,
+    eps,
+    mean_factor,
+    cos_lo,
+    cos_hi,
+    sin_lo,
+    sin_hi,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    MEAN_BY_DIVISION: tl.constexpr,
+):
+    """One token's heads: ``_rms_norm_kernel``'s norm, then ``_rope_heads``' rotation, each
+    rounded as those kernels round; the norm's output never leaves registers. Its sum of squares
+    adds the two halves' sums, an order of its own (see the module's note on the sum)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    mask = (offs_h[:, None] < NUM_HEADS) & mask_d[None, :]
+    dtype = src.dtype.element_ty
+    lo_src = src + offs_h[:, None] * stride_head + offs_d[None, :]
+    x_lo = tl.load(lo_src, mask=mask, other=0.0).to(tl.float32)
+    x_hi = tl.load(lo_src + HALF, mask=mask, other=0.0).to(tl.float32)
+    total = tl.sum(x_lo * x_lo, axis=1) + tl.sum(x_hi * x_hi, axis=1)
+    if MEAN_BY_DIVISION:
+        mean_sq = tl.math.div_rn(total, tl.full(total.shape, 2 * HALF, tl.float32))
+    else:
+        mean_sq = total * mean_factor
+    scale = tl.math.rsqrt(mean_sq + eps)[:, None]
+    w_lo = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    w_hi = tl.load(w_ptr + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    y_lo = _round_mul(w_lo, (x_lo * scale).to(dtype).to(tl.float32), dtype)
+    y_hi = _round_mul(w_hi, (x_hi * scale).to(dtype).to(tl.float32), dtype)
+    out_lo = _round_mul(y_lo, cos_lo[None, :], dtype) + _round_mul(-y_hi, sin_lo[None, :], dtype)
+    out_hi = _round_mul(y_hi, cos_hi[None, :], dtype) + _round_mul(y_lo, sin_hi[None, :], dtype)
+    lo_dst = dst + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    tl.store(lo_dst, out_lo.to(dtype), mask=mask)
+    tl.store(lo_dst + HALF, out_hi.to(dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    q_ptr,
+    k_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    stride_q_token,
+    stride_q_head,
+    stride_k_token,
+    stride_k_head,
+    stride_cos,
+    stride_sin,
+    q_eps,
+    k_eps,
+    q_mean_factor,
+    k_mean_factor,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    MEAN_BY_DIVISION: tl.constexpr,
+):
+    """One program norms and rotates every q and k head of one token."""
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    dtype = q_ptr.dtype.element_ty
+    cos_row = cos_ptr + pos * stride_cos + offs_d
+    sin_row = sin_ptr + pos * stride_sin + offs_d
+    cos_lo = tl.load(cos_row, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
+    cos_hi = tl.load(cos_row + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
+    sin_lo = tl.load(sin_row, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
+    sin_hi = tl.load(sin_row + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
+    _norm_rope_heads(
+        q_ptr + token * stride_q_token, stride_q_head, q_out_ptr + token * (NUM_Q_HEADS * 2 * HALF), q_weight_ptr,
+        q_eps, q_mean_factor, cos_lo, cos_hi, sin_lo, sin_hi, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF, MEAN_BY_DIVISION,
+    )  # fmt: skip
+    _norm_rope_heads(
+        k_ptr + token * stride_k_token, stride_k_head, k_out_ptr + token * (NUM_K_HEADS * 2 * HALF), k_weight_ptr,
+        k_eps, k_mean_factor, cos_lo, cos_hi, sin_lo, sin_hi, NUM_K_HEADS, HALF, BLOCK_HK, BLOCK_HALF, MEAN_BY_DIVISION,
+    )  # fmt: skip
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rope(rms_norm(q, q_weight), rms_norm(k, k_weight))`` in one launch (Qwen3's per-head
+    q/k norm): the same roundings, up to the norm's sum of squares (its last bit, as between
+    ``rms_norm`` and torch). The weights must have q's dtype, so the norm's output keeps it."""
+    assert q_weight.dtype == q.dtype and k_weight.dtype == q.dtype, "the norm weights must have q's dtype"
+    assert q_weight.shape == (q.shape[-1],) and k_weight.shape == (q.shape[-1],), "weights must be [head_dim]"
+    assert q_weight.is_contiguous() and k_weight.is_contiguous(), "weights must be contiguous"
+    assert q.dim() == 3 and k.dim() == 3, "q and k must be [T, heads, head_dim]"
+    num_tokens, num_q_heads, head_dim = q.shape
+    assert k.shape[0] == num_tokens and k.shape[2] == head_dim, "q and k must agree on T and head_dim"
+    assert head_dim % 2 == 0, "head_dim must be even"
+    assert q.dtype == k.dtype, "q and k must have the same dtype"
+    assert positions.shape == (num_tokens,), "positions must be [T]"
+    assert cos.dim() == 2 and cos.shape[1] == head_dim and sin.shape == cos.shape, "cos/sin must be [P, head_dim]"
+    _check_last_dim(q, k, cos, sin)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    num_k_heads = k.shape[1]
+    block_hq = triton.next_power_of_2(num_q_heads)
+    block_half = triton.next_power_of_2(head_dim // 2)
+    _qk_norm_rope_kernel[(num_tokens,)](
+        q, k, positions, cos, sin, q_weight, k_weight, q_out, k_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        q_eps, k_eps, _mean_factor(num_tokens * num_q_heads, head_dim), _mean_factor(num_tokens * num_k_heads, head_dim),
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=head_dim // 2, BLOCK_HQ=block_hq,
+        BLOCK_HK=triton.next_power_of_2(num_k_heads), BLOCK_HALF=block_half,
+        MEAN_BY_DIVISION=q.device.type == "cpu" or batch_invariant.enabled(),
+        num_warps=row_num_warps(2 * block_hq * block_half), enable_fp_fusion=False,
+    )  # fmt: skip
     return q_out, k_out

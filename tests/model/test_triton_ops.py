@@ -1,4 +1,5 @@
-"""Fused Triton ops (RMSNorm, add + RMSNorm, SiLU-and-mul, RoPE) against the torch code they replace.
+"""Fused Triton ops (RMSNorm, add + RMSNorm, SiLU-and-mul, RoPE, q/k norm + RoPE) against the torch
+code they replace.
 
 Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported). The interpreter's bf16 arithmetic is unreliable, so
@@ -43,7 +44,7 @@ for _name in ("siesta.model.triton_ops",):
         importlib.reload(sys.modules[_name])
 
 from siesta.model.layers import RMSNorm, RotaryEmbedding
-from siesta.model.triton_ops import apply_rope, fused_add_rms_norm, rms_norm, silu_and_mul
+from siesta.model.triton_ops import apply_rope, fused_add_rms_norm, qk_norm_rope, rms_norm, silu_and_mul
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -304,3 +305,63 @@ def test_apply_rope_empty():
     positions = torch.empty(0, dtype=torch.int64, device=DEVICE)
     q_out, k_out = apply_rope(q, k, positions, rotary.cos, rotary.sin)
     assert q_out.shape == q.shape and k_out.shape == k.shape
+
+
+# ------------------------------------------------------------------- q/k norm + RoPE
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,q_heads,kv_heads,head_dim", [(1, 32, 4, 128), (37, 9, 3, 64), (5, 16, 8, 128)])
+def test_qk_norm_rope_is_the_norms_then_the_rotation(dtype, num_tokens, q_heads, kv_heads, head_dim):
+    """Qwen3's q/k norm and RoPE in one launch: on exact sums, the bits of the torch code (each
+    head normed, then rotated); on random inputs, the three-launch Triton path's bits up to the
+    norm's sum of squares."""
+    gen = _gen(500 + num_tokens + q_heads + head_dim)
+    rotary = RotaryEmbedding(head_dim, MAX_POSITIONS, {"rope_type": "default", "rope_theta": 1e6}).to(DEVICE)
+    positions = torch.randint(0, MAX_POSITIONS, (num_tokens,), generator=gen).to(DEVICE)
+    q_weight, k_weight = _weight(head_dim, dtype, gen), _weight(head_dim, dtype, gen)
+    q, k, _ = _fused_qkv(num_tokens, q_heads, kv_heads, head_dim, dtype, gen, grid=True)
+    q_out, k_out = qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, q_weight, k_weight, EPS, EPS)
+    q_ref, k_ref = _reference_rope(rotary, positions, _reference_norm(q, q_weight), _reference_norm(k, k_weight))
+    assert q_out.is_contiguous() and k_out.is_contiguous() and q_out.dtype == dtype
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+
+    q, k, _ = _fused_qkv(num_tokens, q_heads, kv_heads, head_dim, dtype, gen)
+    q_out, k_out = qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, q_weight, k_weight, EPS, EPS)
+    q_three, k_three = apply_rope(rms_norm(q, q_weight, EPS), rms_norm(k, k_weight, EPS), positions, rotary.cos,
+                                  rotary.sin)  # fmt: skip
+    _assert_within_rotated_sum_error(q_out, q_three)
+    _assert_within_rotated_sum_error(k_out, k_three)
+
+
+def _assert_within_rotated_sum_error(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """``_assert_within_sum_error`` after a rotation: ``x cos - y sin`` cancels, so a norm a few
+    ulp off shows as a few ulp of the row's scale (absolute), not of each element (relative)."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    ulp = {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}[ref.dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=4 * ulp * ref.float().abs().max().item())
+    if ref.dtype != torch.float32:
+        assert (out != ref).float().mean().item() < 1e-2
+
+
+def test_norm_and_rotate_takes_the_fused_kernel_on_cuda_only_with_matching_weights(monkeypatch):
+    """``RotaryEmbedding.norm_and_rotate``: the one launch where the weights keep q's dtype on
+    CUDA, else the norms and the rotation as before (the CPU, an fp32 norm weight)."""
+    from siesta.model import layers
+
+    calls = []
+    monkeypatch.setattr(layers, "_triton_ops", lambda: type("Ops", (), {
+        "qk_norm_rope": staticmethod(lambda *a: calls.append(a) or (a[0], a[1]))})())  # fmt: skip
+    rotary = RotaryEmbedding(64, 128, ROPE_PARAMS)
+    norm = RMSNorm(64, EPS)
+    q, k = torch.randn(3, 4, 64), torch.randn(3, 2, 64)
+    positions = torch.arange(3)
+    q_out, k_out = rotary.norm_and_rotate(positions, q, k, norm, norm)  # CPU: no fused launch
+    q_ref, k_ref = rotary(positions, norm(q), norm(k))
+    assert not calls and torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    if ON_GPU:
+        cuda = rotary.to(DEVICE), norm.to(DEVICE), q.to(DEVICE), k.to(DEVICE), positions.to(DEVICE)
+        cuda[0].norm_and_rotate(cuda[4], cuda[2], cuda[3], cuda[1], cuda[1])
+        assert len(calls) == 1
+        cuda[0].norm_and_rotate(cuda[4], cuda[2].half(), cuda[3].half(), cuda[1], cuda[1])  # fp32 weights
+        assert len(calls) == 1
