@@ -29,6 +29,15 @@ from siesta.bench.steps import decode_step_s, engine_step_kernels, sync
 NEW_TOKENS = 16
 TIER_BYTES = 8 << 30
 GROWN_KERNELS = 6  # the kernels a mode's step added the most time to, per profiled batch
+# Kernel names by what they compute, so two modes' different kernels for one job compare
+# (cuBLAS's nvjet/cutlass kernels or the GEMV against the invariant GEMM; split-KV against
+# the unsplit decode): a name's first matching prefix decides.
+KERNEL_FAMILIES = (("GEMM", ("nvjet", "sm90_", "cutlass", "void cutlass", "ampere_", "_matmul", "_gemv")),
+                   ("attention", ("decode_split", "reduce_splits", "unified_kernel", "prefill_split")))  # fmt: skip
+
+
+def kernel_family(name: str) -> str:
+    return next((family for family, prefixes in KERNEL_FAMILIES if name.startswith(prefixes)), "other")
 
 
 def _bits(llm, prompts: list[list[int]], index: int = 0) -> list:
@@ -141,13 +150,18 @@ def both_modes(extra: list[str]) -> dict[str, Any]:
 
 def grown_kernels(base: dict[str, Any], det: dict[str, Any]) -> dict[str, float]:
     """Per kernel name, the deterministic step's ms less the default step's (a kernel only one
-    mode runs counts in full), the largest growths first; what the top lists of both left out
-    counts as 0 there, so a small figure may be understated."""
+    mode runs counts in full), the largest growths first, and the same per family
+    (``KERNEL_FAMILIES``); what the top lists of both left out counts as 0 there, so a small
+    figure may be understated."""
     b, d = base["top_kernels_ms_per_step"], det["top_kernels_ms_per_step"]
     grown = {name: d.get(name, 0.0) - b.get(name, 0.0) for name in {*b, *d}}
     top = sorted(grown.items(), key=lambda kv: -kv[1])[:GROWN_KERNELS]
+    families: dict[str, float] = {}
+    for name, ms in grown.items():
+        families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + ms
     return {"device_busy": det["device_busy_ms"] - base["device_busy_ms"],
-            "launches": det["launches"] - base["launches"], **{k: round(v, 4) for k, v in top}}  # fmt: skip
+            "launches": det["launches"] - base["launches"], "families": {k: round(v, 4) for k, v in families.items()},
+            **{k: round(v, 4) for k, v in top}}  # fmt: skip
 
 
 def main() -> None:

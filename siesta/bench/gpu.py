@@ -892,9 +892,9 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
                                                                     "decode_b256_step_ms", "prefill8192_s")),
                      f"goal <= 10%; bit-identical: {results['deterministic']['bit_identical']}"])  # fmt: skip
         for key, grown in (results["deterministic"].get("kernels_grown_ms") or {}).items():
-            name, ms = next(((k, v) for k, v in grown.items() if k not in ("device_busy", "launches")), ("-", 0.0))
+            families = ", ".join(f"{k} {v:+.2f}" for k, v in sorted((grown.get("families") or {}).items()))
             rows.append([f"deterministic step, {key.removeprefix('kernels_')}: device ms added", grown["device_busy"],
-                         f"most by {name[:40]} (+{ms:.3f} ms)"])  # fmt: skip
+                         f"by kind: {families}"])  # fmt: skip
     if isinstance(results.get("fidelity"), dict):
         rows.extend(fidelity_rows(results["fidelity"]))
     for shape, line in (results.get("seed_line") or {}).items():

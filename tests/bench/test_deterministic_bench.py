@@ -29,7 +29,11 @@ def test_the_deterministic_section_runs_both_modes_on_the_cpu_in_small():
 def test_grown_kernels_counts_a_kernel_only_one_mode_runs_in_full():
     from siesta.bench.deterministic import grown_kernels
 
-    base = {"device_busy_ms": 5.0, "launches": 100, "top_kernels_ms_per_step": {"gemm": 3.0, "split": 1.0}}
-    det = {"device_busy_ms": 7.5, "launches": 90, "top_kernels_ms_per_step": {"gemm": 3.5, "prefill_tile": 2.0}}
-    assert grown_kernels(base, det) == {"device_busy": 2.5, "launches": -10, "prefill_tile": 2.0, "gemm": 0.5,
-                                        "split": -1.0}  # fmt: skip
+    base = {"device_busy_ms": 5.0, "launches": 100,
+            "top_kernels_ms_per_step": {"nvjet_sm90_tst": 3.0, "decode_split_kernel": 1.0, "_rope_kernel": 0.1}}
+    det = {"device_busy_ms": 7.5, "launches": 90,
+           "top_kernels_ms_per_step": {"_matmul_tma_kernel": 3.5, "unified_kernel": 2.0, "_rope_kernel": 0.1}}
+    assert grown_kernels(base, det) == {
+        "device_busy": 2.5, "launches": -10, "families": {"GEMM": 0.5, "attention": 1.0, "other": 0.0},
+        "_matmul_tma_kernel": 3.5, "unified_kernel": 2.0, "_rope_kernel": 0.0, "decode_split_kernel": -1.0,
+        "nvjet_sm90_tst": -3.0}  # fmt: skip
