@@ -345,9 +345,9 @@ def unified_kernel(
     DECODE_MAX_Q: tl.constexpr = 1,
     KV_FP8: tl.constexpr = False,
 ):
-    """Requests of at most ``DECODE_MAX_Q`` tokens take the decode branch; 0 (deterministic mode)
-    sends one-token requests through the prefill tile too, so a token's bits are the same
-    whether it came in a prompt chunk or as a decode row."""
+    """Requests of at most ``DECODE_MAX_Q`` tokens take the decode branch; 0 sends one-token
+    requests through the prefill tile too: the bits deterministic mode's decode rows must have
+    whichever kernel computes them (``siesta.bench.invariant_attention`` compares them)."""
     # Last tiles first: in causal attention they see the most keys, so the long
     # programs start early and the short ones fill in behind them.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
