@@ -63,9 +63,9 @@ WIDE_DECODE_TILES: dict[int, Tiles] = {
 # its key step and on how the card computes and sums each score tile. These keep the prefill
 # tile's key step (``block_n``, checked by the suite) and take 64 rows and one warpgroup where
 # the prefill tile has 128 rows and two: on Hopper both issue the same 64-row wgmma for a row,
-# and H100 run 49b (``python -m siesta.bench.invariant_attention``) found their bits equal for
+# and H100 runs 49b-c (``python -m siesta.bench.invariant_attention``) found their bits equal for
 # every head shape, batch, context and KV dtype tried. A 16-row tile (mma.sync, as the
-# default decode kernel) was 15 % faster at batch 256 but gave other bits in some rows.
+# default decode kernel) was 14 % faster at batch 256 but gave other bits in some rows.
 INVARIANT_DECODE_TILES: dict[int, Tiles] = {
     64: Tiles(block_m=64, block_n=64, num_warps=4, num_stages=2),
     128: Tiles(block_m=64, block_n=128, num_warps=4, num_stages=2),
