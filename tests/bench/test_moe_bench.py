@@ -39,6 +39,9 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     assert "MoE decode batch1 tok/s" in rows and "MoE logprobs / trainer's bf16 floor" in rows
     assert "MoE decode batch1: pair kernels / sorted" in rows
     assert "MoE decode batch1 kernel launches a step" in rows
+    # The prefill profiled once more: where its time goes.
+    assert out["prefill"]["kernels"]["launches"] > 0 and out["prefill"]["kernels"]["top_kernels_ms"]
+    assert "MoE prefill 128: device busy ms" in rows
 
 
 def test_a_skipped_batch_reads_as_skipped_in_the_table() -> None:
