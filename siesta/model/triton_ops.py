@@ -298,12 +298,37 @@ def _rope_heads(
     lo_src = src + offs_h[:, None] * stride_head + offs_d[None, :]
     x_lo = tl.load(lo_src, mask=mask, other=0.0).to(tl.float32)
     x_hi = tl.load(lo_src + HALF, mask=mask, other=0.0).to(tl.float32)
+    _rotate_store(x_lo, x_hi, dst, cos_lo, cos_hi, sin_lo, sin_hi, HALF, BLOCK_H, BLOCK_HALF, mask, dtype)
+
+
+@triton.jit
+def _rotate_store(x_lo, x_hi, dst, cos_lo, cos_hi, sin_lo, sin_hi, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr, mask, dtype: tl.constexpr):  # fmt: skip
+    """Store ``x * cos + rotate_half(x) * sin`` of heads held as fp32 halves (``dtype`` values)
+    into contiguous ``[heads, 2 * HALF]`` rows at ``dst``, each op rounded like torch's."""
     # rotate_half(x) = cat(-x_hi, x_lo).
     out_lo = _round_mul(x_lo, cos_lo[None, :], dtype) + _round_mul(-x_hi, sin_lo[None, :], dtype)
     out_hi = _round_mul(x_hi, cos_hi[None, :], dtype) + _round_mul(x_lo, sin_hi[None, :], dtype)
-    lo_dst = dst + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    lo_dst = dst + tl.arange(0, BLOCK_H)[:, None] * (2 * HALF) + tl.arange(0, BLOCK_HALF)[None, :]
     tl.store(lo_dst, out_lo.to(dtype), mask=mask)
     tl.store(lo_dst + HALF, out_hi.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rope_table(positions_ptr, cos_ptr, sin_ptr, token, stride_cos, stride_sin, dtype: tl.constexpr,
+                HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    """``token``'s cos and sin halves: the fp32 tables rounded to the model dtype (torch:
+    ``cos[positions].to(q.dtype)``), back in fp32."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    cos_row = cos_ptr + pos * stride_cos + offs_d
+    sin_row = sin_ptr + pos * stride_sin + offs_d
+    cos_lo = tl.load(cos_row, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
+    cos_hi = tl.load(cos_row + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
+    sin_lo = tl.load(sin_row, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
+    sin_hi = tl.load(sin_row + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
+    return cos_lo, cos_hi, sin_lo, sin_hi
 
 
 @triton.jit
@@ -330,17 +355,9 @@ def _rope_kernel(
 ):
     """One program rotates every q and k head of one token."""
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    mask_d = offs_d < HALF
-    dtype = q_ptr.dtype.element_ty
-    # The fp32 tables rounded to the model dtype (torch: ``cos[positions].to(q.dtype)``).
-    cos_row = cos_ptr + pos * stride_cos + offs_d
-    sin_row = sin_ptr + pos * stride_sin + offs_d
-    cos_lo = tl.load(cos_row, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
-    cos_hi = tl.load(cos_row + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
-    sin_lo = tl.load(sin_row, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
-    sin_hi = tl.load(sin_row + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
+    cos_lo, cos_hi, sin_lo, sin_hi = _rope_table(
+        positions_ptr, cos_ptr, sin_ptr, token, stride_cos, stride_sin, q_ptr.dtype.element_ty, HALF, BLOCK_HALF
+    )
     _rope_heads(
         q_ptr + token * stride_q_token,
         stride_q_head,
@@ -369,6 +386,22 @@ def _rope_kernel(
     )
 
 
+def _rope_outputs(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation's arguments checked, and its fresh contiguous outputs."""
+    assert q.dim() == 3 and k.dim() == 3, "q and k must be [T, heads, head_dim]"
+    num_tokens, _, head_dim = q.shape
+    assert k.shape[0] == num_tokens and k.shape[2] == head_dim, "q and k must agree on T and head_dim"
+    assert head_dim % 2 == 0, "head_dim must be even"
+    assert q.dtype == k.dtype, "q and k must have the same dtype"
+    assert positions.shape == (num_tokens,), "positions must be [T]"
+    assert cos.dim() == 2 and cos.shape[1] == head_dim and sin.shape == cos.shape, "cos/sin must be [P, head_dim]"
+    assert len({t.device for t in (q, k, positions, cos, sin)}) == 1, "all tensors must be on one device"
+    _check_last_dim(q, k, cos, sin)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -378,17 +411,8 @@ def apply_rope(
     ``q``/``k`` may be strided views (e.g. of a fused qkv projection); the results
     are new contiguous tensors.
     """
-    assert q.dim() == 3 and k.dim() == 3, "q and k must be [T, heads, head_dim]"
+    q_out, k_out = _rope_outputs(q, k, positions, cos, sin)
     num_tokens, num_q_heads, head_dim = q.shape
-    assert k.shape[0] == num_tokens and k.shape[2] == head_dim, "q and k must agree on T and head_dim"
-    assert head_dim % 2 == 0, "head_dim must be even"
-    assert q.dtype == k.dtype, "q and k must have the same dtype"
-    assert positions.shape == (num_tokens,), "positions must be [T]"
-    assert cos.dim() == 2 and cos.shape[1] == head_dim and sin.shape == cos.shape, "cos/sin must be [P, head_dim]"
-    assert len({t.device for t in (q, k, positions, cos, sin)}) == 1, "all tensors must be on one device"
-    _check_last_dim(q, k, cos, sin)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
     num_k_heads = k.shape[1]
@@ -464,11 +488,7 @@ def _norm_rope_heads(
     w_hi = tl.load(w_ptr + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     y_lo = _round_mul(w_lo, (x_lo * scale).to(dtype).to(tl.float32), dtype)
     y_hi = _round_mul(w_hi, (x_hi * scale).to(dtype).to(tl.float32), dtype)
-    out_lo = _round_mul(y_lo, cos_lo[None, :], dtype) + _round_mul(-y_hi, sin_lo[None, :], dtype)
-    out_hi = _round_mul(y_hi, cos_hi[None, :], dtype) + _round_mul(y_lo, sin_hi[None, :], dtype)
-    lo_dst = dst + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    tl.store(lo_dst, out_lo.to(dtype), mask=mask)
-    tl.store(lo_dst + HALF, out_hi.to(dtype), mask=mask)
+    _rotate_store(y_lo, y_hi, dst, cos_lo, cos_hi, sin_lo, sin_hi, HALF, BLOCK_H, BLOCK_HALF, mask, dtype)
 
 
 @triton.jit
@@ -502,16 +522,9 @@ def _qk_norm_rope_kernel(
 ):
     """One program norms and rotates every q and k head of one token."""
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_HALF)
-    mask_d = offs_d < HALF
-    dtype = q_ptr.dtype.element_ty
-    cos_row = cos_ptr + pos * stride_cos + offs_d
-    sin_row = sin_ptr + pos * stride_sin + offs_d
-    cos_lo = tl.load(cos_row, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
-    cos_hi = tl.load(cos_row + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
-    sin_lo = tl.load(sin_row, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
-    sin_hi = tl.load(sin_row + HALF, mask=mask_d, other=0.0).to(dtype).to(tl.float32)
+    cos_lo, cos_hi, sin_lo, sin_hi = _rope_table(
+        positions_ptr, cos_ptr, sin_ptr, token, stride_cos, stride_sin, q_ptr.dtype.element_ty, HALF, BLOCK_HALF
+    )
     _norm_rope_heads(
         q_ptr + token * stride_q_token, stride_q_head, q_out_ptr + token * (NUM_Q_HEADS * 2 * HALF), q_weight_ptr,
         q_eps, q_mean_factor, cos_lo, cos_hi, sin_lo, sin_hi, NUM_Q_HEADS, HALF, BLOCK_HQ, BLOCK_HALF, MEAN_BY_DIVISION,
@@ -539,16 +552,8 @@ def qk_norm_rope(
     assert q_weight.dtype == q.dtype and k_weight.dtype == q.dtype, "the norm weights must have q's dtype"
     assert q_weight.shape == (q.shape[-1],) and k_weight.shape == (q.shape[-1],), "weights must be [head_dim]"
     assert q_weight.is_contiguous() and k_weight.is_contiguous(), "weights must be contiguous"
-    assert q.dim() == 3 and k.dim() == 3, "q and k must be [T, heads, head_dim]"
+    q_out, k_out = _rope_outputs(q, k, positions, cos, sin)
     num_tokens, num_q_heads, head_dim = q.shape
-    assert k.shape[0] == num_tokens and k.shape[2] == head_dim, "q and k must agree on T and head_dim"
-    assert head_dim % 2 == 0, "head_dim must be even"
-    assert q.dtype == k.dtype, "q and k must have the same dtype"
-    assert positions.shape == (num_tokens,), "positions must be [T]"
-    assert cos.dim() == 2 and cos.shape[1] == head_dim and sin.shape == cos.shape, "cos/sin must be [P, head_dim]"
-    _check_last_dim(q, k, cos, sin)
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
     num_k_heads = k.shape[1]
