@@ -23,8 +23,6 @@ to check that the script runs end to end.
 
 from __future__ import annotations
 
-import argparse
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -33,7 +31,15 @@ import torch
 import torch.nn.functional as F
 
 from siesta.bench.common import print_table, write_json
-from siesta.bench.kernel_timing import GRAPH_REPLAYS, US_PER_MS, US_PER_S, time_call, weight_copies
+from siesta.bench.kernel_timing import (
+    GRAPH_REPLAYS,
+    US_PER_MS,
+    US_PER_S,
+    bench_device,
+    kernel_bench_parser,
+    time_call,
+    weight_copies,
+)
 from siesta.model.triton_gemv import GemvConfig, default_config, gemv
 
 DTYPE = torch.bfloat16
@@ -235,14 +241,9 @@ def _summary_rows(results: list[ShapeResult]) -> list[list]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write all results to this path")
-    parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (only with --smoke)")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, two configs: checks the script runs")
+    parser = kernel_bench_parser(__doc__, "tiny shapes, two configs: checks the script runs")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("on the CPU Triton needs its interpreter: run with TRITON_INTERPRET=1 (and --smoke)")
+    device = bench_device(args)
     shapes, rows, candidates, dtype = (
         (SMOKE_SHAPES, SMOKE_ROWS, SMOKE_CANDIDATES, SMOKE_DTYPE)
         if args.smoke

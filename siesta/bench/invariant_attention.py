@@ -21,8 +21,6 @@ script runs end to end.
 
 from __future__ import annotations
 
-import argparse
-import os
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -31,7 +29,7 @@ from siesta.attention import triton_tiles as tiling
 from siesta.attention.base import AttentionMetadata
 from siesta.attention.triton_attention import TritonAttention
 from siesta.bench.common import print_table, write_json
-from siesta.bench.kernel_timing import time_call
+from siesta.bench.kernel_timing import bench_device, kernel_bench_parser, time_call
 
 PAGE = 16
 # (model, head_dim, query heads per KV head, KV heads)
@@ -151,16 +149,11 @@ def summary_rows(res: dict) -> list[list]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write all results to this path")
-    parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (only with --smoke)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny fp32 case: checks the script runs")
+    parser = kernel_bench_parser(__doc__, "a tiny fp32 case: checks the script runs")
     parser.add_argument("--candidates", type=lambda t: [parse_candidate(c) for c in t.split(",")], default=None,
                         help="other row tiles to try, e.g. 16w4s3,64w4s2")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("on the CPU Triton needs its interpreter: run with TRITON_INTERPRET=1 (and --smoke)")
+    device = bench_device(args)
     res = run(device, args.smoke, args.candidates)
     print_table(
         f"Deterministic decode rows: narrow tile against the prefill tile, {res['device']}",

@@ -23,15 +23,13 @@ check that the script runs end to end.
 
 from __future__ import annotations
 
-import argparse
-import os
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from siesta.bench.common import print_table, write_json
-from siesta.bench.kernel_timing import time_call, weight_copies
+from siesta.bench.kernel_timing import bench_device, kernel_bench_parser, time_call, weight_copies
 from siesta.model.triton_matmul import MatmulConfig, config_for, matmul
 
 HIDDEN = 4096
@@ -127,16 +125,11 @@ def summary_rows(res: dict) -> list[list]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", help="write all results to this path")
-    parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (only with --smoke)")
-    parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes: checks the script runs")
+    parser = kernel_bench_parser(__doc__, "tiny fp32 shapes: checks the script runs")
     parser.add_argument("--candidates", type=lambda t: [parse_config(c) for c in t.split(",")], default=None,
                         help="other tile configs to time, e.g. 64x64x64w4s4,128x256x64w8s3")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("on the CPU Triton needs its interpreter: run with TRITON_INTERPRET=1 (and --smoke)")
+    device = bench_device(args)
     res = run(device, args.smoke, args.candidates)
     print_table(
         f"Batch-invariant GEMM against cuBLAS, {res['device']}, {res['dtype']}, weights cycled beyond L2",

@@ -8,6 +8,8 @@ there. On the CPU (smoke runs under Triton's interpreter) the figure is only a s
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -66,3 +68,20 @@ def _time_cpu(call: Callable[[int], object], copies: int) -> float:
     for i in range(SMOKE_REPS):
         call(i % copies)
     return (time.perf_counter() - begin) * US_PER_S / SMOKE_REPS
+
+
+def kernel_bench_parser(doc: str, smoke_help: str) -> argparse.ArgumentParser:
+    """The kernel benches' command line: ``--json``, ``--device`` and ``--smoke``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write all results to this path")
+    parser.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (only with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help=smoke_help)
+    return parser
+
+
+def bench_device(args: argparse.Namespace) -> torch.device:
+    """``--device``, refused on the CPU unless Triton's interpreter is on."""
+    device = torch.device(args.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("on the CPU Triton needs its interpreter: run with TRITON_INTERPRET=1 (and --smoke)")
+    return device
