@@ -15,7 +15,8 @@ bf16 logits of 128 experts put the 8th and 9th in one bf16 step for roughly one 
 ten. Where such a tie crosses the k-th place this kernel keeps the lower expert index, as torch's
 CUDA top-k does for rows this short (``TensorTopK.cu``'s single-block ``gatherTopK``: a radix
 select of the k-th value, then the values equal to it taken "first seen", in index order). A GPU
-test compares the two sets on 4,096 bf16 rows; it has not run on a GPU yet.
+test compares the two sets on 4,096 bf16 rows; it passed on an H100 (run 49a), where the kernel
+took the batch-1 step from 146 to 191 tok/s (run 49b).
 """
 
 from __future__ import annotations
