@@ -33,6 +33,7 @@ from siesta.bench.steps import (
     device_kernels,
     engine_step_kernels,
     hbm_bytes_per_s,
+    host_calls,
     sync,
 )
 
@@ -101,8 +102,12 @@ def prefill(llm, n: int, reps: int = 3) -> dict[str, Any]:
     busy_ms, launches, top = device_kernels(
         lambda: llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False),
         top=PROFILE_TOP_KERNELS)  # fmt: skip
+    # And where its host time goes: the step runs eagerly (past the piecewise graphs' buckets).
+    prompt = random_prompts(1, n, n, llm.engine.vocab_size, seed=41 + reps)[0]
+    host = host_calls(lambda: llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1),
+                                           use_tqdm=False), top=PROFILE_TOP_KERNELS)  # fmt: skip
     return {"tokens": n, "s": dt, "tok_s": n / dt, "active_params": active, "mfu": flops / dt / BF16_PEAK_FLOPS,
-            "kernels": {"device_busy_ms": busy_ms, "launches": launches, "top_kernels_ms": top}}  # fmt: skip
+            "kernels": {"device_busy_ms": busy_ms, "launches": launches, "top_kernels_ms": top}, "host": host}  # fmt: skip
 
 
 def fidelity(shape_name: str, layers: int, long_len: int, device: str) -> dict[str, Any]:
@@ -203,6 +208,13 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
             name, ms = next(iter(kernels["top_kernels_ms"].items()))
             rows.append([f"MoE prefill {res['prefill']['tokens']}: device busy ms", kernels["device_busy_ms"],
                          f"{kernels['launches']:,} launches; most by {name[:40]} ({ms:.1f} ms)"])  # fmt: skip
+        host = res["prefill"].get("host") or {}
+        if "wall_ms" in host:
+            blocking = sum(count for count, _ in host["blocking_calls"].values())
+            launched = sum(count for count, _ in host["launch_calls"].values())
+            launch_ms = sum(ms for _, ms in host["launch_calls"].values())
+            rows.append([f"MoE prefill {res['prefill']['tokens']}: host wall ms", host["wall_ms"],
+                         f"{blocking:,} blocking calls; {launched:,} launches, {launch_ms:.1f} ms in them"])  # fmt: skip
     fid = res.get("fidelity") or {}
     if "push_batch1" in fid:
         rows.append(["MoE logprobs / trainer's bf16 floor", fid["push_batch1"]["worst_ratio"], "goal <= 1.5"])

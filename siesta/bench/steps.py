@@ -109,10 +109,47 @@ def device_kernels(fn: Callable[[], Any], top: int = TOP_KERNELS) -> tuple[float
     return sum(per_name.values()), launches, {k[:80]: round(v, 3) for k, v in costliest.items()}
 
 
+# CUDA runtime calls that block the host until the device catches up (a step that makes them
+# cannot queue its next kernels while the device runs), beside the launches themselves.
+BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                  "_local_scalar_dense")  # fmt: skip
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def host_calls(fn: Callable[[], Any], top: int = TOP_KERNELS) -> dict[str, Any]:
+    """Where one call of ``fn`` spends its host time: wall ms, the blocking runtime calls and the
+    launches (count and host ms each), and the torch ops of most self time. A step whose wall
+    exceeds its device time by much is either blocked (syncs) or launch-bound (many launches at
+    tens of microseconds each)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        fn()
+        sync()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    blocking: dict[str, list[float]] = {}
+    launches: dict[str, list[float]] = {}
+    ops: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        for names, into in ((BLOCKING_CALLS, blocking), (LAUNCH_CALLS, launches)):
+            if any(n in e.key for n in names):
+                into[e.key] = [e.count, round(e.cpu_time_total / 1e3, 3)]
+        if e.key.startswith("aten::"):
+            ops[e.key] = e.self_cpu_time_total / 1e3
+    costliest = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:top])
+    return {"wall_ms": wall_ms, "blocking_calls": blocking, "launch_calls": launches,
+            "top_ops_self_ms": {k: round(v, 3) for k, v in costliest.items()}}  # fmt: skip
+
+
 def engine_step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
     """Per engine decode step (the defaults, in steady state): wall ms, device busy ms and
     kernel launches, and the costliest kernels; everything the step runs, graph or not."""
-    ids = start_decoding(llm, batch, context, PROFILED_STEPS * 2)  # timed, then profiled
+    ids = start_decoding(llm, batch, context, PROFILED_STEPS * 3)  # timed, profiled, then host calls
 
     def steps() -> None:
         for _ in range(PROFILED_STEPS):
@@ -124,6 +161,9 @@ def engine_step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
     sync()
     wall_ms = (time.perf_counter() - t0) * 1e3 / PROFILED_STEPS
     busy_ms, launches, top = device_kernels(steps, top=PROFILE_TOP_KERNELS)
+    host = host_calls(steps)
     llm.abort(ids)
     return {"wall_ms": wall_ms, "device_busy_ms": busy_ms / PROFILED_STEPS, "launches": launches / PROFILED_STEPS,
-            "top_kernels_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in top.items()}}  # fmt: skip
+            "top_kernels_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in top.items()},
+            "host_blocking_calls_per_step": {k: c / PROFILED_STEPS for k, (c, _) in host["blocking_calls"].items()},
+            "host_launch_calls_per_step": {k: c / PROFILED_STEPS for k, (c, _) in host["launch_calls"].items()}}  # fmt: skip

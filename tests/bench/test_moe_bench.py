@@ -42,6 +42,9 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     # The prefill profiled once more: where its time goes.
     assert out["prefill"]["kernels"]["launches"] > 0 and out["prefill"]["kernels"]["top_kernels_ms"]
     assert "MoE prefill 128: device busy ms" in rows
+    # ... and where its host time goes: on the CPU every op is host time, so the ops show.
+    host = out["prefill"]["host"]
+    assert host["wall_ms"] > 0 and host["top_ops_self_ms"] and "MoE prefill 128: host wall ms" in rows
 
 
 def test_a_skipped_batch_reads_as_skipped_in_the_table() -> None:
