@@ -99,15 +99,17 @@ def prefill(llm, n: int, reps: int = 3) -> dict[str, Any]:
     flops = 2 * active * n + attn
     # Where the prefill's time goes (the MFU goal is 60 %): one more run under the profiler.
     prompt = random_prompts(1, n, n, llm.engine.vocab_size, seed=40 + reps)[0]
+    idle: dict[str, float] = {}
     busy_ms, launches, top = device_kernels(
         lambda: llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False),
-        top=PROFILE_TOP_KERNELS)  # fmt: skip
+        top=PROFILE_TOP_KERNELS, idle=idle)  # fmt: skip
     # And where its host time goes: the step runs eagerly (past the piecewise graphs' buckets).
     prompt = random_prompts(1, n, n, llm.engine.vocab_size, seed=41 + reps)[0]
     host = host_calls(lambda: llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1),
                                            use_tqdm=False), top=PROFILE_TOP_KERNELS)  # fmt: skip
     return {"tokens": n, "s": dt, "tok_s": n / dt, "active_params": active, "mfu": flops / dt / BF16_PEAK_FLOPS,
-            "kernels": {"device_busy_ms": busy_ms, "launches": launches, "top_kernels_ms": top}, "host": host}  # fmt: skip
+            "kernels": {"device_busy_ms": busy_ms, "launches": launches, "top_kernels_ms": top, "idle_before_ms": idle},
+            "host": host}  # fmt: skip
 
 
 def fidelity(shape_name: str, layers: int, long_len: int, device: str) -> dict[str, Any]:

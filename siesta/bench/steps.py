@@ -88,8 +88,12 @@ def decode_step_s(llm, batch: int, context: int, steps: int) -> float:
     return dt
 
 
-def device_kernels(fn: Callable[[], Any], top: int = TOP_KERNELS) -> tuple[float, int, dict[str, float]]:
-    """Device busy ms, kernel launches and ms per kernel name of one call of ``fn`` (torch.profiler)."""
+def device_kernels(
+    fn: Callable[[], Any], top: int = TOP_KERNELS, idle: dict[str, float] | None = None
+) -> tuple[float, int, dict[str, float]]:
+    """Device busy ms, kernel launches and ms per kernel name of one call of ``fn`` (torch.profiler).
+    ``idle``, where given, receives the ``top`` kernel names with the most device idle time
+    before them (ms from the previous kernel's end to their start): what a graph's gaps wait on."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()  # on the CPU (a smoke run) ops stand in for kernels
@@ -98,15 +102,30 @@ def device_kernels(fn: Callable[[], Any], top: int = TOP_KERNELS) -> tuple[float
         sync()
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     per_name: dict[str, float] = {}
-    launches = 0
+    spans: list[tuple[float, float, str]] = []
     for e in prof.events():
         if e.device_type != kind:
             continue
         ms = (e.device_time_total if cuda else e.cpu_time_total) / 1e3
         per_name[e.name] = per_name.get(e.name, 0.0) + ms
-        launches += 1
+        spans.append((e.time_range.start, e.time_range.end, e.name))
+    launches = len(spans)
     costliest = dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:top])
+    if idle is not None:
+        idle.update(_idle_before(spans, top))
     return sum(per_name.values()), launches, {k[:80]: round(v, 3) for k, v in costliest.items()}
+
+
+def _idle_before(spans: list[tuple[float, float, str]], top: int) -> dict[str, float]:
+    """Per kernel name, the ms the device sat idle before it: ``spans`` are (start us, end us,
+    name); a kernel that overlaps the one before it (another stream) waited for nothing."""
+    gaps: dict[str, float] = {}
+    busy_until = None
+    for start, end, name in sorted(spans):
+        if busy_until is not None and start > busy_until:
+            gaps[name] = gaps.get(name, 0.0) + (start - busy_until) / 1e3
+        busy_until = end if busy_until is None else max(busy_until, end)
+    return {k[:80]: round(v, 3) for k, v in sorted(gaps.items(), key=lambda kv: -kv[1])[:top]}
 
 
 # CUDA runtime calls that block the host until the device catches up (a step that makes them
@@ -160,10 +179,12 @@ def engine_step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
     steps()
     sync()
     wall_ms = (time.perf_counter() - t0) * 1e3 / PROFILED_STEPS
-    busy_ms, launches, top = device_kernels(steps, top=PROFILE_TOP_KERNELS)
+    idle: dict[str, float] = {}
+    busy_ms, launches, top = device_kernels(steps, top=PROFILE_TOP_KERNELS, idle=idle)
     host = host_calls(steps)
     llm.abort(ids)
     return {"wall_ms": wall_ms, "device_busy_ms": busy_ms / PROFILED_STEPS, "launches": launches / PROFILED_STEPS,
             "top_kernels_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in top.items()},
+            "idle_before_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in idle.items()},
             "host_blocking_calls_per_step": {k: c / PROFILED_STEPS for k, (c, _) in host["blocking_calls"].items()},
             "host_launch_calls_per_step": {k: c / PROFILED_STEPS for k, (c, _) in host["launch_calls"].items()}}  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from siesta import LLM
-from siesta.bench.steps import BatchDoesNotFit, start_decoding
+from siesta.bench.steps import BatchDoesNotFit, _idle_before, start_decoding
 
 
 def test_every_row_decodes_through_the_timed_steps() -> None:
@@ -28,3 +28,11 @@ def test_a_batch_the_kv_cannot_hold_is_refused_before_it_runs() -> None:
     with pytest.raises(BatchDoesNotFit, match=f"holds {held:,} tokens"):
         start_decoding(llm, 64, held // 64, 5)
     assert not llm.engine.scheduler.requests
+
+
+def test_idle_time_is_charged_to_the_kernel_that_waited() -> None:
+    """Gaps between kernels go to the kernel after them; one that overlaps (another stream) or
+    starts inside a longer kernel's span waited for nothing."""
+    spans = [(0.0, 10.0, "a"), (14.0, 20.0, "b"), (15.0, 30.0, "c"), (25.0, 28.0, "d"), (31.0, 32.0, "b")]
+    assert _idle_before(spans, top=8) == {"b": 0.005}  # 4 us before the first b, 1 us before the second
+    assert _idle_before([], top=8) == {}
