@@ -722,8 +722,10 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, Any]:
         with torch.inference_mode():
             for name, fn in parts.items():
                 fn()
-                busy_ms, launches, top = device_kernels(fn, top=PROFILE_TOP_KERNELS)
-                res[f"batch{b}"][name] = {"device_busy_ms": busy_ms, "launches": launches, "top_kernels": top}
+                idle: dict[str, float] = {}
+                busy_ms, launches, top = device_kernels(fn, top=PROFILE_TOP_KERNELS, idle=idle)
+                res[f"batch{b}"][name] = {"device_busy_ms": busy_ms, "launches": launches, "top_kernels": top,
+                                          "idle_before_ms": idle}  # fmt: skip
         res[f"batch{b}"]["engine_steps"] = engine_step_kernels(llm, b, args.decode_context)
     return res
 
