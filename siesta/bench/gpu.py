@@ -470,32 +470,45 @@ def resume_trace(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def _step_phase_timer(llm) -> Any:
+    """A PhaseTimer on a step's phases, and inside ``_device_inputs`` on the staged copy, its
+    kernel, the pinned ring, tensor indexing (the unseen tokens' gather and scatter) and new
+    blocks zeroed. A function of its own: no local of the caller keeps the engine's cache alive."""
+    from siesta.bench.probes import PhaseTimer
+    from siesta.core import model_runner, staging
+    from siesta.core.model_runner import LaunchedStep
+
+    eng, runner = llm.engine, llm.engine.runner
+    timer = PhaseTimer()
+    timer.wrap(llm, "step", "llm_step")
+    timer.wrap(eng, "step")
+    for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (runner, "_plan"), (runner, "_device_inputs"),
+                        (runner, "_forward"), (runner.model, "compute_logits"), (runner.sampler, "sample"),
+                        (LaunchedStep, "results")):  # fmt: skip
+        timer.wrap(owner, attr)
+    for owner, attr, phase in ((model_runner, "to_device_many", None), (staging, "copy_words", None),
+                               (staging.reserve(), "take", "ring_take"), (torch.Tensor, "__getitem__", "tensor_getitem"),
+                               (torch.Tensor, "__setitem__", "tensor_setitem"), (runner.kv_cache, "zero_blocks", None)):  # fmt: skip
+        timer.wrap(owner, attr, phase)
+    return timer
+
+
 def decode_trace(args: argparse.Namespace) -> dict[str, Any]:
     """Where a decode step's wall time goes on the host, per phase, next to the graph's own
     replay time (the part of a synchronous step the device sits idle for), with and without
     async scheduling."""
-    from siesta.bench.probes import PhaseTimer
-    from siesta.core.model_runner import LaunchedStep
-
     res: dict[str, Any] = {}
     for arm, run_ahead in (("sync", False), ("async", True)):
         llm = make_llm(args, gpu_memory_utilization=0.85, async_scheduling=run_ahead)
-        eng, runner = llm.engine, llm.engine.runner
         for b in (1, 64):
-            timer = PhaseTimer()
-            timer.wrap(llm, "step", "llm_step")
-            timer.wrap(eng, "step")
-            for owner, attr in ((eng.scheduler, "schedule"), (eng.scheduler, "update"), (runner, "_plan"), (runner, "_device_inputs"),
-                                (runner, "_forward"), (runner.model, "compute_logits"), (runner.sampler, "sample"),
-                                (LaunchedStep, "results")):  # fmt: skip
-                timer.wrap(owner, attr)
+            timer = _step_phase_timer(llm)
             step_s = decode_step_s(llm, b, args.decode_context, args.decode_steps)
             timer.unwrap()
             steps = [c for c in timer.calls if c[0] == "llm_step"][-args.decode_steps :]
             per_step = timer.within(steps[0][1], steps[-1][2] + 1e-9)
             res[f"{arm}_batch{b}"] = {"step_ms": step_s * 1e3, "graph_replay_ms": _replay_s(llm, b) * 1e3,
                                       "phases_ms": {k: round(v / len(steps) * 1e3, 3) for k, v in per_step.items()}}  # fmt: skip
-        del llm, eng, runner
+        del llm, timer
         gc.collect()
         torch.cuda.empty_cache()
     return res

@@ -186,5 +186,11 @@ def engine_step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
     return {"wall_ms": wall_ms, "device_busy_ms": busy_ms / PROFILED_STEPS, "launches": launches / PROFILED_STEPS,
             "top_kernels_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in top.items()},
             "idle_before_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in idle.items()},
-            "host_blocking_calls_per_step": {k: c / PROFILED_STEPS for k, (c, _) in host["blocking_calls"].items()},
-            "host_launch_calls_per_step": {k: c / PROFILED_STEPS for k, (c, _) in host["launch_calls"].items()}}  # fmt: skip
+            "host_blocking_calls_per_step": _per_step(host["blocking_calls"]),
+            "host_launch_calls_per_step": _per_step(host["launch_calls"]),
+            "host_top_ops_self_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in host["top_ops_self_ms"].items()}}  # fmt: skip
+
+
+def _per_step(calls: dict[str, list[float]]) -> dict[str, list[float]]:
+    """``{call: [count, host ms]}`` of the profiled steps, per step."""
+    return {k: [count / PROFILED_STEPS, round(ms / PROFILED_STEPS, 4)] for k, (count, ms) in calls.items()}
