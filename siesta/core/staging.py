@@ -16,7 +16,9 @@ which takes a driver-wide lock (vLLM measured such calls stalling under load).
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
+from typing import Protocol
 
 import torch
 import triton
@@ -28,13 +30,21 @@ COPY_BLOCK = 256  # words a program of the copy kernel moves: many small reads i
 KERNEL_COPIES = True  # False: the copy engines move them (the bench's other arm)
 
 
+class CopyDone(Protocol):
+    """What the ring waits on before a region is reused: a CUDA event, or a copy back until read."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
 class PinnedRing:
     """A pinned buffer handed out in order; a region is reused once the copy that read it is done."""
 
     def __init__(self, capacity: int, pin: bool = True) -> None:
         self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=pin)
         self.head = 0
-        self.inflight: deque[tuple[int, int, torch.cuda.Event]] = deque()  # (start, end, copy done)
+        self.inflight: deque[tuple[int, int, CopyDone]] = deque()  # (start, end, copy done)
 
     @property
     def capacity(self) -> int:
@@ -46,15 +56,21 @@ class PinnedRing:
             return None
         start = self.head if self.head + nbytes <= self.capacity else 0
         end = start + nbytes
+        # Every finished copy leaves the list, wherever it stands: a copy back that is read late
+        # (or dropped unread) must not keep the ones after it listed. It did once, and the list
+        # grew by two a step: each take walked all of it, ~1.5-3.5 ms a step on an H100 host
+        # after a few thousand steps (``decode_trace``).
+        pending: deque[tuple[int, int, CopyDone]] = deque()
         for s, e, done in self.inflight:
             if s < end and start < e:
                 done.synchronize()  # a lap behind: long finished in practice
-        while self.inflight and self.inflight[0][2].query():
-            self.inflight.popleft()
+            elif not done.query():
+                pending.append((s, e, done))
+        self.inflight = pending
         self.head = -(-end // ALIGN) * ALIGN
         return start, end
 
-    def release_after(self, region: tuple[int, int], done: torch.cuda.Event) -> None:
+    def release_after(self, region: tuple[int, int], done: CopyDone) -> None:
         self.inflight.append((*region, done))
 
     def view(self, region: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
@@ -117,8 +133,8 @@ class HostCopy:
     work queued before the copy and nothing queued after it (the next step's, say).
 
     The ring region it lands in is held until it has been read: the copy stands in the
-    ring's list of copies in flight, done once read, and a lap that reaches the region
-    reads it first.
+    ring's list of copies in flight (``UntilRead``), done once read, or once landed if it was
+    dropped unread, and a lap that reaches the region reads it first.
     """
 
     def __init__(self, tensor: torch.Tensor) -> None:
@@ -135,9 +151,14 @@ class HostCopy:
         else:
             self._host = ring.view(self._region, tensor)
             _move(tensor, self._host)
-            ring.release_after(self._region, self)
         self._landed = torch.cuda.Event()
         self._landed.record(torch.cuda.current_stream(tensor.device))
+        if self._region is not None:
+            ring.release_after(self._region, UntilRead(self, self._landed))
+
+    @property
+    def read(self) -> bool:
+        return self._values is not None
 
     def wait(self) -> list:
         if self._values is None:
@@ -145,12 +166,25 @@ class HostCopy:
             self._values = self._host.tolist()
         return self._values
 
-    # The ring's view of it: a region in use until read.
+
+class UntilRead:
+    """The ring's view of a copy back: its region is in use until the copy is read, or, once
+    the copy is dropped unread (a step failed or aborted), until it has landed."""
+
+    def __init__(self, copy: HostCopy, landed: torch.cuda.Event) -> None:
+        self._copy = weakref.ref(copy)
+        self._landed = landed
+
     def query(self) -> bool:
-        return self._values is not None
+        copy = self._copy()
+        return copy.read if copy is not None else self._landed.query()
 
     def synchronize(self) -> None:
-        self.wait()
+        copy = self._copy()
+        if copy is not None:
+            copy.wait()  # read it now: the region is about to be overwritten
+        else:
+            self._landed.synchronize()
 
 
 def _move(src: torch.Tensor, dst: torch.Tensor) -> None:

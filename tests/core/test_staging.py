@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from siesta.core import staging
-from siesta.core.staging import ALIGN, PinnedRing
+from siesta.core.staging import ALIGN, PinnedRing, UntilRead
 
 
 class FakeCopyDone:
@@ -55,6 +55,41 @@ def test_finished_copies_are_forgotten() -> None:
     ring.release_after(ring.take(ALIGN), FakeCopyDone(done=True))
     ring.take(ALIGN)
     assert not ring.inflight
+
+
+def test_a_copy_in_flight_does_not_keep_the_finished_ones_after_it_listed() -> None:
+    """A copy back read late (or never) stood first in the list and kept every later one there:
+    the list grew by two a step and each take walked it all (ms a step after thousands)."""
+    ring = PinnedRing(1 << 20, pin=False)
+    unread = FakeCopyDone()
+    ring.release_after(ring.take(ALIGN), unread)
+    for _ in range(100):
+        ring.release_after(ring.take(ALIGN), FakeCopyDone(done=True))
+    ring.take(ALIGN)
+    assert [done for _, _, done in ring.inflight] == [unread] and not unread.waited
+
+
+class FakeHostCopy:
+    """Stands in for ``HostCopy`` (which needs a GPU): read once waited on."""
+
+    def __init__(self) -> None:
+        self.read = False
+
+    def wait(self) -> list:
+        self.read = True
+        return []
+
+
+def test_a_copy_back_holds_its_region_until_read_or_until_dropped_and_landed() -> None:
+    copy, landed = FakeHostCopy(), FakeCopyDone()
+    done = UntilRead(copy, landed)
+    assert not done.query()
+    done.synchronize()  # a lap reached the region: the copy is read first
+    assert copy.read and done.query() and not landed.waited
+    dropped = UntilRead(FakeHostCopy(), landed)  # its copy is gone at once, unread
+    assert not dropped.query()  # not landed yet: the device may still write the region
+    dropped.synchronize()
+    assert landed.waited and dropped.query()
 
 
 def test_too_large_a_copy_is_refused() -> None:
