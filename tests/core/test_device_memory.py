@@ -6,15 +6,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import weakref
 import time
+import weakref
 
 import pytest
 import torch
 
 from siesta.attention.base import KVCache
 from siesta.core.device_memory import SleepableMemory
-from siesta.core.host_backup import CAPTURE_LOCK, HostBackup
+from siesta.core.host_backup import CAPTURE_LOCK, DEVICE_STEPS, HostBackup, StepClock
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 
@@ -97,6 +97,43 @@ def test_a_capture_holding_the_lock_holds_the_pinning_back() -> None:
     assert len(fake.pinned) == 2
 
 
+def test_background_pinning_waits_until_no_step_has_run_for_a_while() -> None:
+    """Each pin holds the driver's lock that a step's launches need (run 50: batch-1 decode
+    5.8 -> 8.3 ms a step while 16 GB were pinned), so chunks go in only between busy spells."""
+    fake, steps, quiet_s = FakePinner(), StepClock(), 0.2
+    steps.touch()
+    backup = HostBackup(8 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB, steps=steps,
+                        quiet_s=quiet_s)  # fmt: skip
+    for _ in range(10):  # steps every 30 ms: never quiet for 0.2 s
+        time.sleep(0.03)
+        steps.touch()
+    assert fake.pinned == [] and not backup.ready
+    deadline = time.monotonic() + 5
+    while not backup.ready and time.monotonic() < deadline:  # quiet now: it goes on by itself
+        time.sleep(0.01)
+    assert len(fake.pinned) == 2 and backup.ready
+    backup.close()
+
+
+def test_a_sleep_that_needs_the_backup_pins_it_at_once_however_busy_the_device() -> None:
+    fake, steps = FakePinner(), StepClock()
+    steps.touch()
+    backup = HostBackup(8 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB, steps=steps,
+                        quiet_s=3600.0)  # fmt: skip
+    t0 = time.monotonic()
+    backup.wait()
+    assert len(fake.pinned) == 2 and time.monotonic() - t0 < 5
+    backup.close()
+
+
+def test_a_step_marks_the_device_busy() -> None:
+    from siesta import LLM, SamplingParams
+
+    llm = LLM("random:tiny-llama", device="cpu", max_model_len=256)
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert DEVICE_STEPS.quiet_in(60.0) > 59.0
+
+
 def test_copies_are_cut_where_chunks_meet_and_come_back_exact() -> None:
     backup = HostBackup(10 * KiB, None, background=False, chunk_bytes=4 * KiB)
     assert backup._segments(3 * KiB, 6 * KiB) == [(3 * KiB, KiB), (4 * KiB, 4 * KiB), (8 * KiB, KiB)]
@@ -128,7 +165,8 @@ def test_a_failed_background_pin_falls_back_and_unpins_what_it_had_pinned() -> N
 
 def test_closing_a_backup_mid_pinning_stops_at_the_next_chunk_and_unpins_what_it_pinned() -> None:
     fake = FakePinner(gate=threading.Event())
-    backup = HostBackup(16 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB)
+    backup = HostBackup(16 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB,
+                        steps=StepClock())  # a device that ran no step: pinning starts at once
     threading.Timer(0.05, fake.gate.set).start()  # the first pin is under way when close() comes
     time.sleep(0.01)
     backup.close()
@@ -144,7 +182,8 @@ def test_a_backup_dropped_while_it_pins_unpins_everything_before_its_memory_is_f
     failed quietly, and freed memory still registered with CUDA (the next engine's allocations
     on the H200 then failed with 'resource already mapped')."""
     fake = FakePinner(gate=threading.Event())
-    backup = HostBackup(16 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB)
+    backup = HostBackup(16 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB,
+                        steps=StepClock())  # a device that ran no step: pinning starts at once
     thread, finalized = backup._thread, threading.Event()
     weakref.finalize(backup, finalized.set)
     del backup
