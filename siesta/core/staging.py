@@ -56,10 +56,9 @@ class PinnedRing:
             return None
         start = self.head if self.head + nbytes <= self.capacity else 0
         end = start + nbytes
-        # Every finished copy leaves the list, wherever it stands: a copy back that is read late
-        # (or dropped unread) must not keep the ones after it listed. It did once, and the list
-        # grew by two a step: each take walked all of it, ~1.5-3.5 ms a step on an H100 host
-        # after a few thousand steps (``decode_trace``).
+        # Every finished copy leaves the list, wherever it stands. Popped from the front only,
+        # one copy back dropped unread (a failed step's) would keep every later copy listed for
+        # the process's life, and each take would walk the growing list.
         pending: deque[tuple[int, int, CopyDone]] = deque()
         for s, e, done in self.inflight:
             if s < end and start < e:
