@@ -459,6 +459,7 @@ class EngineFlags:
     enforce_eager: bool = EngineConfig.enforce_eager
     attention_backend: str = EngineConfig.attention_backend
     enable_sleep_mode: bool = EngineConfig.enable_sleep_mode
+    weight_backup: str = EngineConfig.weight_backup
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     cpu_threads: int | None = CpuConfig.threads
     head_dtype: str = ModelConfig.head_dtype
@@ -494,6 +495,7 @@ class EngineFlags:
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
             enable_sleep_mode=self.enable_sleep_mode,
+            weight_backup=self.weight_backup,
             usage_context=usage_context,
             **({} if self.deterministic is None else {"deterministic": self.deterministic}),
         )  # fmt: skip

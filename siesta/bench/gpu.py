@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from siesta.bench import backup_pinning
 from siesta.bench import fp8 as fp8_bench
 from siesta.bench import moe as moe_bench
 from siesta.bench.common import host_memory_gib, print_table, random_prompts, release_memory
@@ -783,8 +784,8 @@ def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
 
 def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
     llm = make_llm(args, gpu_memory_utilization=0.85)
-    # The pinned backup is made in the background from start-up on; an RL loop generates for
-    # longer than that before it first sleeps. How long it took after start-up is reported.
+    # The pinned backup is made in the background while no step runs (an engine waiting for its
+    # first requests or weights); settle() pins what is left now. How long it took is reported.
     backup = llm.engine.memory.backup
     t0 = time.perf_counter()
     backup.settle()
@@ -867,12 +868,14 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "fp8": lambda args: fp8_bench.run(args),
     "invariant_matmul": lambda args: _invariant_matmul().run(torch.device(args.device or "cuda")),
     "invariant_attention": invariant_attention,
+    "backup_pinning": backup_pinning.run,
 }
 # Run by name only: diagnostics; resume_http, which runs the resume section again beside the
 # server; tensor_parallel, which needs a host with several GPUs; invariant_matmul, deterministic
-# mode's GEMM against cuBLAS per matrix; invariant_attention, its decode rows against the prefill tile.
+# mode's GEMM against cuBLAS per matrix; invariant_attention, its decode rows against the prefill tile;
+# backup_pinning, decode steps beside and between the pinning of the weights' sleep backup.
 DIAGNOSTIC_SECTIONS = ("resume_http", "resume_trace", "decode_trace", "step_io", "decode_kernels", "tensor_parallel",
-                       "invariant_matmul", "invariant_attention")  # fmt: skip
+                       "invariant_matmul", "invariant_attention", "backup_pinning")  # fmt: skip
 
 
 def summary(results: dict[str, Any]) -> list[list[Any]]:
@@ -968,6 +971,8 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
         rows.extend(fp8_bench.summary_rows(results["fp8"]))
     if isinstance(results.get("moe"), dict):
         rows.extend(moe_bench.summary_rows(results["moe"]))
+    if isinstance(results.get("backup_pinning"), dict):
+        rows.extend(backup_pinning.summary_rows(results["backup_pinning"]))
     if isinstance(results.get("invariant_matmul"), dict) and "results" in results["invariant_matmul"]:
         rows.extend(_invariant_matmul().summary_rows(results["invariant_matmul"]))
     if isinstance(results.get("invariant_attention"), dict) and "rows" in results["invariant_attention"]:

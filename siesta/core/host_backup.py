@@ -105,7 +105,7 @@ class HostBackup:
 
     def __init__(self, nbytes: int, pinner: tuple[Pinner, Unpinner] | None, background: bool,
                  chunk_bytes: int = PIN_CHUNK_BYTES, steps: StepClock = DEVICE_STEPS,
-                 quiet_s: float = QUIET_S) -> None:  # fmt: skip
+                 quiet_s: float | None = None) -> None:  # fmt: skip
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.nbytes = nbytes
@@ -118,7 +118,8 @@ class HostBackup:
         self.prepare_s = 0.0  # how long making the memory took
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._steps, self._quiet_s = steps, quiet_s
+        self._steps = steps
+        self._quiet_s = QUIET_S if quiet_s is None else quiet_s  # read now: a bench sets it per arm
         self._hurry = threading.Event()  # someone waits for the backup: pin without waiting for quiet
         if background:
             self._thread = threading.Thread(target=self._prepare, name="siesta-host-backup", daemon=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from siesta.attention.kv_quant import KV_CACHE_DTYPES
-from siesta.config import EngineFlags
+from siesta.config import WEIGHT_BACKUP_MODES, EngineFlags
 from siesta.entrypoints.cli_flags import add_vllm_flags, byte_size, check_vllm_flags
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineFlags)}
@@ -72,6 +72,10 @@ FLAGS: tuple[CliFlag, ...] = (
     CliFlag("enforce_eager", ("--enforce-eager",), {"action": "store_true"}),
     CliFlag("attention_backend", ("--attention-backend",), {"choices": ["auto", "torch", "triton"]}),
     CliFlag("enable_sleep_mode", ("--enable-sleep-mode",), {"action": BOOL}),
+    CliFlag("weight_backup", ("--weight-backup",),
+            {"choices": list(WEIGHT_BACKUP_MODES),
+             "help": "when the level-1 sleep's pinned host copy of the weights is made: background (from start-up, "
+                     "while no step runs), first_sleep, or auto (background on CUDA)"}),
     CliFlag("head_dtype", ("--head-dtype",),
             {"choices": ["auto", "float32", "fp32"],
              "help": "float32: the final norm, output head and logits in fp32 (RL: logprobs nearer the trainer's)"}),

@@ -50,3 +50,11 @@ def test_host_memory_counts_what_this_process_holds() -> None:
     assert after["process_rss"] - before["process_rss"] >= 0.4
     assert 0 < after["host_available"]
     del held
+
+
+def test_a_table_without_rows_prints_its_headers(capsys) -> None:
+    """A diagnostic section that adds no summary row once ended the run with a TypeError."""
+    from siesta.bench.common import print_table
+
+    print_table("t", ["measure", "value"], [])
+    assert capsys.readouterr().out.splitlines()[-2:] == ["measure  value", "-------  -----"]

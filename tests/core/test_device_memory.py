@@ -248,3 +248,7 @@ def test_the_backup_mode_is_validated_and_auto_is_background_on_cuda_only() -> N
     assert not EngineConfig(device="cuda", weight_backup="first_sleep").background_weight_backup()
     with pytest.raises(ConfigError, match="weight_backup must be one of"):
         EngineConfig(device="cpu", weight_backup="eager").validate(128)
+    # LLM(weight_backup=...) and --weight-backup reach it.
+    from siesta.config import EngineFlags
+
+    assert EngineFlags(device="cuda", weight_backup="first_sleep").config().weight_backup == "first_sleep"
