@@ -839,6 +839,20 @@ def _invariant_attention():
     return invariant_attention
 
 
+def _moe_tiles():
+    """Imported when used: it imports the Triton MoE kernels (the interpreter's flag first)."""
+    from siesta.bench import moe_tiles
+
+    return moe_tiles
+
+
+def moe_tiles(args: argparse.Namespace) -> dict[str, Any]:
+    module = _moe_tiles()
+    text = args.moe_tile_candidates or module.CANDIDATES
+    candidates = [module.parse_candidate(c) for c in text.split(",") if c]
+    return module.run(torch.device(args.device or "cuda"), candidates=candidates)
+
+
 def invariant_attention(args: argparse.Namespace) -> dict[str, Any]:
     module = _invariant_attention()
     candidates = [module.parse_candidate(c) for c in args.attention_candidates.split(",") if c]
@@ -869,13 +883,15 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "invariant_matmul": lambda args: _invariant_matmul().run(torch.device(args.device or "cuda")),
     "invariant_attention": invariant_attention,
     "backup_pinning": backup_pinning.run,
+    "moe_tiles": moe_tiles,
 }
 # Run by name only: diagnostics; resume_http, which runs the resume section again beside the
 # server; tensor_parallel, which needs a host with several GPUs; invariant_matmul, deterministic
 # mode's GEMM against cuBLAS per matrix; invariant_attention, its decode rows against the prefill tile;
-# backup_pinning, decode steps beside and between the pinning of the weights' sleep backup.
+# backup_pinning, decode steps beside and between the pinning of the weights' sleep backup;
+# moe_tiles, the fused-MoE kernels' tiles against candidates.
 DIAGNOSTIC_SECTIONS = ("resume_http", "resume_trace", "decode_trace", "step_io", "decode_kernels", "tensor_parallel",
-                       "invariant_matmul", "invariant_attention", "backup_pinning")  # fmt: skip
+                       "invariant_matmul", "invariant_attention", "backup_pinning", "moe_tiles")  # fmt: skip
 
 
 def summary(results: dict[str, Any]) -> list[list[Any]]:
@@ -971,6 +987,8 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
         rows.extend(fp8_bench.summary_rows(results["fp8"]))
     if isinstance(results.get("moe"), dict):
         rows.extend(moe_bench.summary_rows(results["moe"]))
+    if isinstance(results.get("moe_tiles"), dict) and "rows" in results["moe_tiles"]:
+        rows.extend(_moe_tiles().summary_rows(results["moe_tiles"]))
     if isinstance(results.get("backup_pinning"), dict):
         rows.extend(backup_pinning.summary_rows(results["backup_pinning"]))
     if isinstance(results.get("invariant_matmul"), dict) and "results" in results["invariant_matmul"]:
@@ -1014,6 +1032,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fidelity-checkpoint", default="qwen2.5-0.5b", help="fidelity: the shape also loaded from disk")
     ap.add_argument("--fidelity-kv-bytes", type=int, default=FIDELITY_KV_BYTES)
     ap.add_argument("--fidelity-head-shape", default="llama-3-8b", help="fidelity: the shape also run with the fp32 head")
+    ap.add_argument("--moe-tile-candidates", default=None,
+                    help="moe_tiles: tiles to try (BLOCK_MxBLOCK_NxBLOCK_KwWARPSsSTAGES, comma-separated)")
     ap.add_argument("--attention-candidates", default="16w4s2,64w4s3,64w4s4,64w8s2",
                     help="invariant_attention: other row tiles to try (rows w warps s stages)")
     ap.add_argument("--deterministic-extra", default=None, help="deterministic: more flags (CPU test runs)")

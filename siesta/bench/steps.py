@@ -188,7 +188,8 @@ def engine_step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
             "idle_before_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in idle.items()},
             "host_blocking_calls_per_step": _per_step(host["blocking_calls"]),
             "host_launch_calls_per_step": _per_step(host["launch_calls"]),
-            "host_top_ops_self_ms_per_step": {k: round(v / PROFILED_STEPS, 4) for k, v in host["top_ops_self_ms"].items()}}  # fmt: skip
+            "host_top_ops_self_ms_per_step": {k: round(v / PROFILED_STEPS, 4)
+                                              for k, v in host["top_ops_self_ms"].items()}}  # fmt: skip
 
 
 def _per_step(calls: dict[str, list[float]]) -> dict[str, list[float]]:

@@ -1,0 +1,138 @@
+"""The fused-MoE kernels' tiles on the card: the shipped ones against candidates, per step size.
+
+    python -m siesta.bench.moe_tiles [--json PATH] [--device cuda] [--smoke]
+                                     [--candidates 128x128x64w8s4,64x256x64w8s3,...]
+
+The MoE prefill's MFU (issue 38's goal: 60 %) is mostly its two grouped GEMMs (H100 run 50h,
+8k tokens of Qwen3-30B-A3B: gate/up 50 ms and down 33 ms of 173 ms of device time, ~400 and
+~300 TFLOP/s). Their tiles (``triton_moe.PREFILL_TILES``, ``DECODE_TILES``) were starting
+points, never swept. Here ``fused_moe`` runs on that model's expert shape with uniform random
+routing at each step size, once with the tiles the engine picks (``tiles_for``) and once per
+``--candidates`` tile (``BLOCK_Mx BLOCK_Nx BLOCK_K w warps s stages``), inside a CUDA graph (median
+of replays); each candidate's output is checked against the shipped one's (bf16 rounding apart).
+
+``--smoke`` runs a tiny fp32 shape through Triton's interpreter on the CPU, only to check that the
+script runs end to end.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict
+
+import torch
+
+from siesta.bench.common import print_table, write_json
+from siesta.bench.kernel_timing import bench_device, kernel_bench_parser, time_call
+from siesta.model import triton_moe
+from siesta.model.triton_moe import MoeTiles
+
+# (name, experts, hidden, intermediate, top k): Qwen3-30B-A3B's experts.
+SHAPE = ("qwen3-30b-a3b", 128, 2048, 768, 8)
+TOKENS = (16, 64, 256, 2048, 8192)  # decode batches, a piecewise bucket, the 8k prefill
+SMOKE_SHAPE = ("tiny", 8, 64, 32, 2)
+SMOKE_TOKENS = (3, 40)
+CANDIDATES = "128x128x64w8s4,128x128x64w8s3,64x128x64w4s4,128x256x64w8s3,64x64x128w4s3,16x128x128w4s4"
+CALLS_PER_GRAPH = 4
+TOLERANCE = 2e-2  # max |diff| over max |out|: two bf16 tilings' rounding, not a wrong product
+_CANDIDATE = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)")
+
+
+def parse_candidate(text: str) -> MoeTiles:
+    """``128x128x64w8s4``: rows, features, reduction chunk, warps, stages."""
+    match = _CANDIDATE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"a tile is BLOCK_MxBLOCK_NxBLOCK_KwWARPSsSTAGES, e.g. 128x128x64w8s4, got {text!r}")
+    m, n, k, warps, stages = (int(g) for g in match.groups())
+    return MoeTiles(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages)
+
+
+def _inputs(tokens: int, experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, device: torch.device):
+    g = torch.Generator(device="cpu").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+    ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=-1).indices.to(device)
+    weights = torch.rand(tokens, top_k, generator=g).softmax(-1).to(device, dtype)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=g) * hidden**-0.5).to(device, dtype)
+    down = (torch.randn(experts, hidden, inter, generator=g) * inter**-0.5).to(device, dtype)
+    return x, weights, ids, gate_up, down
+
+
+def measure(tokens: int, shape: tuple, candidates: list[MoeTiles], device: torch.device) -> dict:
+    name, experts, hidden, inter, top_k = shape
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x, weights, ids, gate_up, down = _inputs(tokens, experts, hidden, inter, top_k, dtype, device)
+    flops = 2 * tokens * top_k * 3 * hidden * inter
+    shipped = triton_moe.tiles_for(tokens * top_k, experts)
+    outs: dict[str, torch.Tensor] = {}
+
+    def timed(key: str, tiles: MoeTiles) -> float:
+        def call(_: int) -> None:
+            outs[key] = triton_moe.fused_moe(x, weights, ids, gate_up, down, tiles=tiles)
+
+        return time_call(call, 1, device, CALLS_PER_GRAPH)
+
+    shipped_us = timed("shipped", shipped)
+    ref = outs["shipped"].float()
+    scale = ref.abs().max().item() or 1.0
+    tried = []
+    for cand in candidates:
+        try:
+            us = timed("try", cand)
+        except Exception as e:  # noqa: BLE001 - a tile the card cannot hold (shared memory) is a result too
+            tried.append({"tiles": asdict(cand), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        diff = (outs["try"].float() - ref).abs().max().item() / scale
+        tried.append({"tiles": asdict(cand), "us": us, "tflops": flops / us / 1e6, "over_shipped": us / shipped_us,
+                      "max_rel_diff": diff, "agrees": diff <= TOLERANCE})  # fmt: skip
+    ok = [c for c in tried if c.get("agrees")]
+    best = min(ok, key=lambda c: c["us"]) if ok else None
+    return {"shape": name, "tokens": tokens, "pairs": tokens * top_k, "shipped": asdict(shipped),
+            "shipped_us": shipped_us, "shipped_tflops": flops / shipped_us / 1e6, "candidates": tried,
+            "best": best}  # fmt: skip
+
+
+def run(device: torch.device, smoke: bool = False, candidates: list[MoeTiles] | None = None) -> dict:
+    shape, token_counts = (SMOKE_SHAPE, SMOKE_TOKENS) if smoke else (SHAPE, TOKENS)
+    if candidates is None:
+        candidates = [parse_candidate(c) for c in CANDIDATES.split(",")]
+    rows = []
+    for tokens in token_counts:
+        row = measure(tokens, shape, candidates, device)
+        best = row["best"]
+        found = f"; best {best['tiles']} {best['us']:.1f} us ({best['over_shipped']:.2f}x)" if best else ""
+        print(f"  {row['shape']} {tokens} tokens: shipped {row['shipped_us']:.1f} us "
+              f"({row['shipped_tflops']:.0f} TFLOP/s){found}")  # fmt: skip
+        rows.append(row)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    return {"device": device_name, "rows": rows}
+
+
+def summary_rows(res: dict) -> list[list]:
+    rows = []
+    for r in res["rows"]:
+        best = r["best"]
+        tiles = best["tiles"] if best else None
+        label = (f"{tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']}w{tiles['num_warps']}s{tiles['num_stages']}"
+                 if tiles else "none agreed")  # fmt: skip
+        rows.append([f"MoE tiles, {r['tokens']} tokens: best candidate / shipped",
+                     best["over_shipped"] if best else "-",
+                     f"shipped {r['shipped_tflops']:.0f} TFLOP/s; best {label}"])  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = kernel_bench_parser(__doc__, "a tiny fp32 shape: checks the script runs")
+    parser.add_argument("--candidates", type=lambda t: [parse_candidate(c) for c in t.split(",")], default=None,
+                        help=f"tiles to try (default {CANDIDATES})")
+    args = parser.parse_args()
+    device = bench_device(args)
+    res = run(device, args.smoke, args.candidates)
+    print_table(f"Fused-MoE tiles, {res['device']}",
+                ["tokens", "shipped us", "shipped TFLOP/s", "best us", "best / shipped"],
+                [[r["tokens"], r["shipped_us"], r["shipped_tflops"], r["best"]["us"] if r["best"] else "-",
+                  r["best"]["over_shipped"] if r["best"] else "-"] for r in res["rows"]])  # fmt: skip
+    write_json(args.json, res)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The ``moe_tiles`` section of the GPU bench, smoke-sized: it runs end to end (under Triton's
+interpreter on the CPU), the shipped tiles and a candidate are timed and compared, a tile that
+cannot run is a result rather than a crash, and the table reads it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from siesta.bench import gpu  # noqa: E402
+from siesta.bench import moe_tiles as mt  # noqa: E402
+from siesta.model.triton_moe import MoeTiles  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+
+def test_the_smoke_run_with_a_candidate_tile() -> None:
+    bad = MoeTiles(block_m=16, block_n=24, block_k=16, num_warps=4, num_stages=1)  # tl.arange needs a power of 2
+    res = mt.run(DEVICE, smoke=True, candidates=[mt.parse_candidate("16x32x32w4s2"), bad])
+    json.dumps(res)
+    assert [r["tokens"] for r in res["rows"]] == list(mt.SMOKE_TOKENS)
+    for row in res["rows"]:
+        good, failed = row["candidates"]
+        assert row["shipped_us"] > 0 and good["us"] > 0
+        assert good["agrees"] and good["max_rel_diff"] < 1e-5  # fp32 products: tilings agree to rounding
+        assert "error" in failed and row["best"]["tiles"] == good["tiles"]
+    rows = mt.summary_rows(res)
+    assert [r[0] for r in rows] == [f"MoE tiles, {n} tokens: best candidate / shipped" for n in mt.SMOKE_TOKENS]
+    assert rows[0] in gpu.summary({"moe_tiles": res})
+
+
+def test_parse_candidate() -> None:
+    assert mt.parse_candidate("128x64x32w8s4") == MoeTiles(block_m=128, block_n=64, block_k=32, num_warps=8,
+                                                           num_stages=4)  # fmt: skip
+    with pytest.raises(ValueError, match="BLOCK_MxBLOCK_NxBLOCK_K"):
+        mt.parse_candidate("128w8s4")
+    assert all(mt.parse_candidate(c) for c in mt.CANDIDATES.split(","))
