@@ -129,10 +129,12 @@ def _idle_before(spans: list[tuple[float, float, str]], top: int) -> dict[str, f
 
 
 # CUDA runtime calls that block the host until the device catches up (a step that makes them
-# cannot queue its next kernels while the device runs), beside the launches themselves.
-BLOCKING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-                  "_local_scalar_dense")  # fmt: skip
-LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync")
+# cannot queue its next kernels while the device runs), beside the launches themselves; by
+# exact name (cudaMemcpy blocks, cudaMemcpyAsync need not).
+BLOCKING_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                            "aten::_local_scalar_dense"})  # fmt: skip
+LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
+                          "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync"})  # fmt: skip
 
 
 def host_calls(fn: Callable[[], Any], top: int = TOP_KERNELS) -> dict[str, Any]:
@@ -156,7 +158,7 @@ def host_calls(fn: Callable[[], Any], top: int = TOP_KERNELS) -> dict[str, Any]:
         if e.device_type != torch.autograd.DeviceType.CPU:
             continue
         for names, into in ((BLOCKING_CALLS, blocking), (LAUNCH_CALLS, launches)):
-            if any(n in e.key for n in names):
+            if e.key in names:
                 into[e.key] = [e.count, round(e.cpu_time_total / 1e3, 3)]
         if e.key.startswith("aten::"):
             ops[e.key] = e.self_cpu_time_total / 1e3

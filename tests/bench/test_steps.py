@@ -4,9 +4,10 @@ even when chunked prefill took many steps and decoded the first rows meanwhile."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from siesta import LLM
-from siesta.bench.steps import BatchDoesNotFit, _idle_before, start_decoding
+from siesta.bench.steps import BatchDoesNotFit, _idle_before, host_calls, start_decoding
 
 
 def test_every_row_decodes_through_the_timed_steps() -> None:
@@ -36,3 +37,10 @@ def test_idle_time_is_charged_to_the_kernel_that_waited() -> None:
     spans = [(0.0, 10.0, "a"), (14.0, 20.0, "b"), (15.0, 30.0, "c"), (25.0, 28.0, "d"), (31.0, 32.0, "b")]
     assert _idle_before(spans, top=8) == {"b": 0.005}  # 4 us before the first b, 1 us before the second
     assert _idle_before([], top=8) == {}
+
+
+def test_host_calls_counts_a_read_back_as_blocking() -> None:
+    x = torch.arange(10.0)
+    out = host_calls(lambda: (x * 2).sum().item())
+    assert out["blocking_calls"]["aten::_local_scalar_dense"][0] == 1
+    assert out["wall_ms"] > 0 and "aten::mul" in out["top_ops_self_ms"]
