@@ -18,9 +18,10 @@ Pinning waits for the device to be quiet. ``cudaHostRegister`` holds the driver'
 pins, and every launch, event query and copy of a step waits for that lock: on an H100, batch-1
 decode of the 8B shape took 8.3 ms a step while its 16 GB were pinned, 5.8 ms before and after
 (run 50; the MoE shape's 61 GB kept it slow for half a minute). So a chunk starts only once no
-step has been launched for ``QUIET_S`` (``DEVICE_STEPS``, touched by the model runner at every
-launch, on every rank), and a sleep that needs the backup pins the rest at once: an engine that
-never idles before its first sleep pays there, as ``first_sleep`` does, and never in its steps.
+step has been launched and no weight written for ``QUIET_S`` (``device_activity.DEVICE_WORK``,
+touched by the model runner at every launch, on every rank, and by every weight push), and a
+sleep that needs the backup pins the rest at once: an engine that never idles before its first
+sleep pays there, as ``first_sleep`` does, and never in its steps.
 
 A backup closed, or a process exiting, while its chunks are still being pinned stops the
 thread at the next chunk and waits for it. Left running, the thread was inside the CUDA
@@ -33,7 +34,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import math
 import threading
 import time
 import weakref
@@ -41,12 +41,14 @@ from collections.abc import Callable
 
 import torch
 
+from siesta.device_activity import DEVICE_WORK, ActivityClock
+
 logger = logging.getLogger(__name__)
 
 # Small enough that a step launched while a chunk is pinned waits for one chunk only (~30 ms),
 # and so does a capture waiting on the lock; a 16 GB backup is 256 driver calls.
 PIN_CHUNK_BYTES = 64 << 20
-# Seconds without a step launched before background pinning goes on.
+# Seconds without a step launched (or a weight written) before background pinning goes on.
 QUIET_S = 0.5
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every context, as cudaHostAlloc's memory is
 _CUDA_SUCCESS = 0
@@ -61,23 +63,6 @@ _PINNING: weakref.WeakSet[HostBackup] = weakref.WeakSet()  # those whose thread 
 
 class _Stopped(Exception):
     """The backup was stopped before all of it was made."""
-
-
-class StepClock:
-    """When this process last launched a step on its device."""
-
-    def __init__(self) -> None:
-        self._last = -math.inf
-
-    def touch(self) -> None:
-        self._last = time.monotonic()
-
-    def quiet_in(self, quiet_s: float) -> float:
-        """Seconds until ``quiet_s`` will have passed without a step (0: already)."""
-        return max(0.0, self._last + quiet_s - time.monotonic())
-
-
-DEVICE_STEPS = StepClock()
 
 
 def cuda_pinner(device: torch.device) -> tuple[Pinner, Unpinner]:
@@ -104,7 +89,7 @@ class HostBackup:
     """
 
     def __init__(self, nbytes: int, pinner: tuple[Pinner, Unpinner] | None, background: bool,
-                 chunk_bytes: int = PIN_CHUNK_BYTES, steps: StepClock = DEVICE_STEPS,
+                 chunk_bytes: int = PIN_CHUNK_BYTES, steps: ActivityClock = DEVICE_WORK,
                  quiet_s: float | None = None) -> None:  # fmt: skip
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -188,7 +173,7 @@ class HostBackup:
         self.prepare_s = time.perf_counter() - t0
 
     def _wait_for_quiet(self) -> None:
-        """In the background thread: until no step has been launched for ``quiet_s``, or someone
+        """In the background thread: until the device has had no work for ``quiet_s``, or someone
         waits for the backup (or stops it)."""
         if threading.current_thread() is not self._thread:
             return  # the caller makes it itself: it waits for it now

@@ -22,7 +22,7 @@ from siesta.config import ConfigError, EngineConfig, resolve_dtype
 from siesta.core import staging
 from siesta.core.cuda_graphs import DecodeGraphs
 from siesta.core.device_memory import ArenaMemory, SleepableMemory
-from siesta.core.host_backup import CAPTURE_LOCK, DEVICE_STEPS
+from siesta.core.host_backup import CAPTURE_LOCK
 from siesta.core.piecewise_graphs import BUCKETS as PIECEWISE_BUCKETS
 from siesta.core.piecewise_graphs import PiecewiseGraphs
 from siesta.core.routed_experts import PendingRouting, RoutedExpertsStore, RoutedRows, id_dtype, tier_blocks
@@ -40,6 +40,7 @@ from siesta.core.sampler import (
 from siesta.core.scheduler import ScheduledRequest, SchedulerOutput
 from siesta.core.staging import to_device_many
 from siesta.core.vmm import VirtualArena, place_parameters, vmm_available
+from siesta.device_activity import DEVICE_WORK
 from siesta.distributed.collectives import broadcast, min_over_ranks
 from siesta.model import batch_invariant, cpu_linear, registry
 from siesta.model.interface import CausalModel
@@ -459,7 +460,7 @@ class ModelRunner:
     def _launch_planned(
         self, sched: SchedulerOutput, plan: StepPlan, sampled: list[ScheduledRequest], prev: LaunchedStep | None
     ) -> LaunchedStep:
-        DEVICE_STEPS.touch()  # the weights' backup is pinned only while no step runs
+        DEVICE_WORK.touch()  # the weights' backup is pinned only while the device has no work
         transfers = sched.transfers
         if transfers and self.device.type == "cuda":
             # The copies wait for what is queued before this forward: it neither reads the
@@ -491,7 +492,7 @@ class ModelRunner:
     def run_plan(self, plan: StepPlan) -> None:
         """Another rank's step, as planned on rank 0: the same forward and the same collectives
         (the head's gathers of sampled and scored rows), nothing sampled here."""
-        DEVICE_STEPS.touch()  # the weights' backup is pinned only while no step runs
+        DEVICE_WORK.touch()  # the weights' backup is pinned only while the device has no work
         inputs = self._device_inputs(plan, None, [])
         hidden = self._forward(inputs)
         self._score_prompt(hidden, inputs.prompt)

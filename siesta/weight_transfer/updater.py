@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from siesta.config import WeightTransferConfig
+from siesta.device_activity import DEVICE_WORK
 from siesta.model.interface import CausalModel as CausalLM
 from siesta.model.interface import WeightTarget
 from siesta.weight_transfer.joining import PendingJoin, join_timeout
@@ -170,6 +171,7 @@ class WeightUpdater:
             self.check(weights)
             weights = weights.items()
         self.last_call = time.monotonic()
+        DEVICE_WORK.touch()  # no backup pinning beside the copies (its driver lock)
         written: set[str] = set()
         try:
             self.model.load_weights(weights, written)
@@ -210,6 +212,7 @@ class WeightUpdater:
             # _foreach_copy_ of the 8B weights took 20 ms against 16.5, one run each (run25, run24).
             # Under tensor parallelism each rank copies its slice of the full tensor it was sent
             # (a strided read of it, never a copy of the whole first).
+            DEVICE_WORK.touch()  # no backup pinning beside the copies (its driver lock)
             with torch.no_grad():
                 for meta, tensor in batch:
                     target = targets[meta.name]

@@ -14,7 +14,8 @@ import torch
 
 from siesta.attention.base import KVCache
 from siesta.core.device_memory import SleepableMemory
-from siesta.core.host_backup import CAPTURE_LOCK, DEVICE_STEPS, HostBackup, StepClock
+from siesta.core.host_backup import CAPTURE_LOCK, HostBackup
+from siesta.device_activity import ActivityClock
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 
@@ -100,7 +101,7 @@ def test_a_capture_holding_the_lock_holds_the_pinning_back() -> None:
 def test_background_pinning_waits_until_no_step_has_run_for_a_while() -> None:
     """Each pin holds the driver's lock that a step's launches need (run 50: batch-1 decode
     5.8 -> 8.3 ms a step while 16 GB were pinned), so chunks go in only between busy spells."""
-    fake, steps, quiet_s = FakePinner(), StepClock(), 0.2
+    fake, steps, quiet_s = FakePinner(), ActivityClock(), 0.2
     steps.touch()
     backup = HostBackup(8 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB, steps=steps,
                         quiet_s=quiet_s)  # fmt: skip
@@ -116,7 +117,7 @@ def test_background_pinning_waits_until_no_step_has_run_for_a_while() -> None:
 
 
 def test_a_sleep_that_needs_the_backup_pins_it_at_once_however_busy_the_device() -> None:
-    fake, steps = FakePinner(), StepClock()
+    fake, steps = FakePinner(), ActivityClock()
     steps.touch()
     backup = HostBackup(8 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB, steps=steps,
                         quiet_s=3600.0)  # fmt: skip
@@ -126,12 +127,22 @@ def test_a_sleep_that_needs_the_backup_pins_it_at_once_however_busy_the_device()
     backup.close()
 
 
-def test_a_step_marks_the_device_busy() -> None:
+def test_a_step_and_a_weight_push_each_mark_the_device_busy(monkeypatch) -> None:
     from siesta import LLM, SamplingParams
+    from siesta.core import model_runner
+    from siesta.weight_transfer import updater
 
     llm = LLM("random:tiny-llama", device="cpu", max_model_len=256)
-    llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
-    assert DEVICE_STEPS.quiet_in(60.0) > 59.0
+    for module in (model_runner, updater):
+        clock = ActivityClock()
+        monkeypatch.setattr(module, "DEVICE_WORK", clock)
+        assert clock.quiet_in(60.0) == 0.0
+        if module is model_runner:
+            llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
+        else:
+            embed = llm.engine.runner.model.model.embed_tokens.weight
+            llm.update_weights({"model.embed_tokens.weight": embed.detach().clone()})
+        assert clock.quiet_in(60.0) > 59.0, module.__name__
 
 
 def test_copies_are_cut_where_chunks_meet_and_come_back_exact() -> None:
@@ -166,7 +177,7 @@ def test_a_failed_background_pin_falls_back_and_unpins_what_it_had_pinned() -> N
 def test_closing_a_backup_mid_pinning_stops_at_the_next_chunk_and_unpins_what_it_pinned() -> None:
     fake = FakePinner(gate=threading.Event())
     backup = HostBackup(16 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB,
-                        steps=StepClock())  # a device that ran no step: pinning starts at once
+                        steps=ActivityClock())  # a device that ran no step: pinning starts at once
     threading.Timer(0.05, fake.gate.set).start()  # the first pin is under way when close() comes
     time.sleep(0.01)
     backup.close()
@@ -183,7 +194,7 @@ def test_a_backup_dropped_while_it_pins_unpins_everything_before_its_memory_is_f
     on the H200 then failed with 'resource already mapped')."""
     fake = FakePinner(gate=threading.Event())
     backup = HostBackup(16 * KiB, (fake.pin, fake.unpin), background=True, chunk_bytes=4 * KiB,
-                        steps=StepClock())  # a device that ran no step: pinning starts at once
+                        steps=ActivityClock())  # a device that ran no step: pinning starts at once
     thread, finalized = backup._thread, threading.Event()
     weakref.finalize(backup, finalized.set)
     del backup
