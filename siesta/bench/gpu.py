@@ -141,8 +141,10 @@ def decode(args: argparse.Namespace) -> dict[str, Any]:
         weight_bytes = llm.engine.memory.weight_bytes
         kv_per_token = llm.engine.runner.kv_cache.block_bytes // llm.config.cache.block_size
         if arm == "graphs":
-            # Batch 1 while the sleep backup is still being pinned in the background (start-up),
-            # then every arm in the steady state: pinning takes the driver's lock from launches.
+            # Batch 1 at start-up, with the sleep backup still to be pinned, then every arm once it
+            # is: pinning beside the steps took the driver's lock from their launches (H200 run 33:
+            # 7.25 against 4.54 ms a step). It now waits for the device to be quiet (host_backup),
+            # so the two batch-1 figures should agree.
             early = decode_step_s(llm, 1, args.decode_context, args.decode_steps)
             res["graphs_batch1_while_backup_pins"] = {"step_ms": early * 1e3, "tok_s": 1 / early}
         t0 = time.perf_counter()
