@@ -1,7 +1,7 @@
 """When this process last put work on its device: background host work that holds the CUDA
 driver's lock (pinning the weights' sleep backup, ``core/host_backup.py``) waits for a quiet
-spell. Below everything that does device work (the model runner's steps, weight pushes), so
-each can mark it without importing the others."""
+spell. Below everything that does device work (the model runner's steps, the tiers' copies,
+weight pushes), so each can mark it without importing the others."""
 
 from __future__ import annotations
 
@@ -23,4 +23,4 @@ class ActivityClock:
         return max(0.0, self._last + quiet_s - time.monotonic())
 
 
-DEVICE_WORK = ActivityClock()  # this process's: steps launched, weights written
+DEVICE_WORK = ActivityClock()  # this process's: steps launched, tier copies issued, weights written

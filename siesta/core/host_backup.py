@@ -18,8 +18,8 @@ Pinning waits for the device to be quiet. ``cudaHostRegister`` holds the driver'
 pins, and every launch, event query and copy of a step waits for that lock: on an H100, batch-1
 decode of the 8B shape took 8.3 ms a step while its 16 GB were pinned, 5.8 ms before and after
 (run 50; the MoE shape's 61 GB kept it slow for half a minute). So a chunk starts only once no
-step has been launched and no weight written for ``QUIET_S`` (``device_activity.DEVICE_WORK``,
-touched by the model runner at every launch, on every rank, and by every weight push), and a
+step has been launched, no tier copy issued and no weight written for ``QUIET_S``
+(``device_activity.DEVICE_WORK``, touched by each of them, on every rank), and a
 sleep that needs the backup pins the rest at once: an engine that never idles before its first
 sleep pays there, as ``first_sleep`` does, and never in its steps.
 

@@ -31,6 +31,7 @@ from typing import Literal
 import torch
 
 from siesta.attention.base import KVCache
+from siesta.device_activity import DEVICE_WORK
 from siesta.tiers.transfer import BlockCopier, CopyHandle
 
 logger = logging.getLogger(__name__)
@@ -214,6 +215,7 @@ class CopyFeeder:
         return nxt.last or not chunks[-1].last
 
     def _issue(self, chunks: list[_Chunk]) -> CopyHandle:
+        DEVICE_WORK.touch()  # no backup pinning beside tier copies (its driver lock)
         parts = [part for c in chunks for part in c.parts]
         # Queued in submission order on one compute stream: the last chunk's event comes last.
         kv, after = chunks[-1].kv, chunks[-1].after

@@ -259,3 +259,17 @@ def test_busy_seconds_run_from_a_call_s_issue_to_its_landing_and_leave_idle_time
     feeder.drain()
     assert feeder.landed() == ["r1"]
     assert first < feeder.busy_seconds <= first + (time.perf_counter() - t1)
+
+
+def test_issuing_tier_copies_marks_the_device_busy(monkeypatch) -> None:
+    """The weights' sleep backup is pinned only while the device has no work: tier copies count."""
+    from siesta.device_activity import ActivityClock
+    from siesta.tiers import copy_feeder
+
+    clock = ActivityClock()
+    monkeypatch.setattr(copy_feeder, "DEVICE_WORK", clock)
+    feeder = CopyFeeder(FakeCopier(), "out", 4 * BLOCK_BYTES, BLOCK_BYTES, threaded=False)
+    assert clock.quiet_in(60.0) == 0.0
+    feeder.submit("r0", job(0, 2), kv=None)
+    feeder.wait_for_progress(0.01)
+    assert clock.quiet_in(60.0) > 59.0
