@@ -29,7 +29,7 @@ from siesta.attention import triton_tiles as tiling
 from siesta.attention.base import AttentionMetadata
 from siesta.attention.triton_attention import TritonAttention
 from siesta.bench.common import print_table, write_json
-from siesta.bench.kernel_timing import bench_device, kernel_bench_parser, time_call
+from siesta.bench.kernel_timing import candidates_cli, time_call
 
 PAGE = 16
 # (model, head_dim, query heads per KV head, KV heads)
@@ -149,12 +149,8 @@ def summary_rows(res: dict) -> list[list]:
 
 
 def main() -> None:
-    parser = kernel_bench_parser(__doc__, "a tiny fp32 case: checks the script runs")
-    parser.add_argument("--candidates", type=lambda t: [parse_candidate(c) for c in t.split(",")], default=None,
-                        help="other row tiles to try, e.g. 16w4s3,64w4s2")
-    args = parser.parse_args()
-    device = bench_device(args)
-    res = run(device, args.smoke, args.candidates)
+    args, res = candidates_cli(__doc__, "a tiny fp32 case: checks the script runs", parse_candidate,
+                               "other row tiles to try, e.g. 16w4s3,64w4s2", run)  # fmt: skip
     print_table(
         f"Deterministic decode rows: narrow tile against the prefill tile, {res['device']}",
         ["heads", "kv", "batch", "context", "split us", "prefill tile us", "narrow us", "narrow / tile", "bits equal"],

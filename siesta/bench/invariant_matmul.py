@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from siesta.bench.common import print_table, write_json
-from siesta.bench.kernel_timing import bench_device, kernel_bench_parser, time_call, weight_copies
+from siesta.bench.kernel_timing import candidates_cli, time_call, weight_copies
 from siesta.model.triton_matmul import MatmulConfig, config_for, matmul
 
 HIDDEN = 4096
@@ -125,12 +125,8 @@ def summary_rows(res: dict) -> list[list]:
 
 
 def main() -> None:
-    parser = kernel_bench_parser(__doc__, "tiny fp32 shapes: checks the script runs")
-    parser.add_argument("--candidates", type=lambda t: [parse_config(c) for c in t.split(",")], default=None,
-                        help="other tile configs to time, e.g. 64x64x64w4s4,128x256x64w8s3")
-    args = parser.parse_args()
-    device = bench_device(args)
-    res = run(device, args.smoke, args.candidates)
+    args, res = candidates_cli(__doc__, "tiny fp32 shapes: checks the script runs", parse_config,
+                               "other tile configs to time, e.g. 64x64x64w4s4,128x256x64w8s3", run)  # fmt: skip
     print_table(
         f"Batch-invariant GEMM against cuBLAS, {res['device']}, {res['dtype']}, weights cycled beyond L2",
         ["shape", "M", "cuBLAS us", "invariant us", "invariant/cuBLAS", "rel err", "row bits as M=1"],

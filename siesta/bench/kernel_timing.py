@@ -13,6 +13,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -85,3 +86,16 @@ def bench_device(args: argparse.Namespace) -> torch.device:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("on the CPU Triton needs its interpreter: run with TRITON_INTERPRET=1 (and --smoke)")
     return device
+
+
+def candidates_cli(
+    doc: str, smoke_help: str, parse_candidate: Callable[[str], Any], candidates_help: str,
+    run: Callable[[torch.device, bool, list | None], dict],
+) -> tuple[argparse.Namespace, dict]:
+    """A tile-sweeping bench's main up to its table: the command line with ``--candidates``
+    (comma-separated, each read by ``parse_candidate``), the device, then ``run``'s result."""
+    parser = kernel_bench_parser(doc, smoke_help)
+    parser.add_argument("--candidates", type=lambda t: [parse_candidate(c) for c in t.split(",")], default=None,
+                        help=candidates_help)  # fmt: skip
+    args = parser.parse_args()
+    return args, run(bench_device(args), args.smoke, args.candidates)

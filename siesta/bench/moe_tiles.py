@@ -23,7 +23,7 @@ from dataclasses import asdict
 import torch
 
 from siesta.bench.common import print_table, write_json
-from siesta.bench.kernel_timing import bench_device, kernel_bench_parser, time_call
+from siesta.bench.kernel_timing import candidates_cli, time_call
 from siesta.model import triton_moe
 from siesta.model.triton_moe import MoeTiles
 
@@ -121,12 +121,8 @@ def summary_rows(res: dict) -> list[list]:
 
 
 def main() -> None:
-    parser = kernel_bench_parser(__doc__, "a tiny fp32 shape: checks the script runs")
-    parser.add_argument("--candidates", type=lambda t: [parse_candidate(c) for c in t.split(",")], default=None,
-                        help=f"tiles to try (default {CANDIDATES})")
-    args = parser.parse_args()
-    device = bench_device(args)
-    res = run(device, args.smoke, args.candidates)
+    args, res = candidates_cli(__doc__, "a tiny fp32 shape: checks the script runs", parse_candidate,
+                               f"tiles to try (default {CANDIDATES})", run)  # fmt: skip
     print_table(f"Fused-MoE tiles, {res['device']}",
                 ["tokens", "shipped us", "shipped TFLOP/s", "best us", "best / shipped"],
                 [[r["tokens"], r["shipped_us"], r["shipped_tflops"], r["best"]["us"] if r["best"] else "-",
