@@ -5,21 +5,14 @@ tile, and the table reads it."""
 from __future__ import annotations
 
 import json
-import os
 
-import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from siesta.attention import triton_tiles as tiling
+from siesta.bench import gpu
+from siesta.bench import invariant_attention as ia
 
-from siesta.attention import triton_tiles as tiling  # noqa: E402
-from siesta.bench import gpu  # noqa: E402
-from siesta.bench import invariant_attention as ia  # noqa: E402
-
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: the interpreter (conftest)
 
 
 def test_the_smoke_run_with_a_candidate_tile() -> None:

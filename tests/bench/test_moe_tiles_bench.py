@@ -5,21 +5,15 @@ cannot run is a result rather than a crash, and the table reads it."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from siesta.bench import gpu
+from siesta.bench import moe_tiles as mt
+from siesta.model.triton_moe import MoeTiles
 
-from siesta.bench import gpu  # noqa: E402
-from siesta.bench import moe_tiles as mt  # noqa: E402
-from siesta.model.triton_moe import MoeTiles  # noqa: E402
-
-DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU: the interpreter (conftest)
 
 
 def test_the_smoke_run_with_a_candidate_tile() -> None:
