@@ -59,12 +59,16 @@ class MoeTiles:
 
 
 # Few pairs a tile (decode): small row tiles, wide feature tiles. Many (prefill): square-ish
-# tiles that reuse each weight tile over 64 rows. Starting points, to be tuned on the H200
-# (``bench gpu`` section ``moe``).
+# tiles that reuse each weight tile over 64 rows; from 128 pairs an expert, over 128 rows.
+# ``python -m siesta.bench.moe_tiles`` on an H100 (run 51a, Qwen3-30B-A3B's experts): the
+# 128-row tile ran both GEMMs in 0.92x the 64-row tile's time at 2k tokens (128 pairs an
+# expert) and 0.87x at 8k; at 16 to 256 tokens no candidate beat the decode tiles by over 3 %.
 DECODE_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 PREFILL_TILES = MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
-# Pairs per expert (on average) from which the prefill tiles pay.
+LARGE_PREFILL_TILES = MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+# Pairs per expert (on average) from which the prefill tiles pay, and the large ones.
 PREFILL_PAIRS_PER_EXPERT = 32
+LARGE_PREFILL_PAIRS_PER_EXPERT = 128
 
 
 # Deterministic mode's one tile set. The prefill tiles: on them a decode step is still bound by
@@ -89,6 +93,8 @@ DOWN_SUM_NUM_STAGES = PAIR_NUM_STAGES + 1
 
 def tiles_for(num_pairs: int, num_experts: int) -> MoeTiles:
     """The default mode's tiles for a step of ``num_pairs`` (token, k) pairs."""
+    if num_pairs >= LARGE_PREFILL_PAIRS_PER_EXPERT * num_experts:
+        return LARGE_PREFILL_TILES
     return PREFILL_TILES if num_pairs >= PREFILL_PAIRS_PER_EXPERT * num_experts else DECODE_TILES
 
 

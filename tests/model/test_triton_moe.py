@@ -47,6 +47,8 @@ from siesta.model.moe import experts_reference, sum_over_k
 from siesta.model.triton_moe import (
     DECODE_TILES,
     DETERMINISTIC_TILES,
+    LARGE_PREFILL_PAIRS_PER_EXPERT,
+    LARGE_PREFILL_TILES,
     PAIR_PATH_MAX_TOKENS,
     PREFILL_PAIRS_PER_EXPERT,
     PREFILL_TILES,
@@ -249,7 +251,7 @@ def test_align_hand_made(ids: torch.Tensor, num_experts: int, block_m: int, plac
     _check_alignment(align(ids, num_experts, block_m), ids, num_experts, block_m)
 
 
-@pytest.mark.parametrize("block_m", [DECODE_TILES.block_m, PREFILL_TILES.block_m])
+@pytest.mark.parametrize("block_m", [DECODE_TILES.block_m, PREFILL_TILES.block_m, LARGE_PREFILL_TILES.block_m])
 @pytest.mark.parametrize(
     "tokens,top_k,experts,skew",
     [(1, 2, 8, False), (7, 8, 128, False), (33, 2, 16, False), (300, 8, 128, False), (200, 2, 8, True)],
@@ -307,12 +309,23 @@ PREFILL_CASES = [
     Case(160, 2, 8, 200, 80),  # H and I multiples of neither 64 nor 128
     Case(96, 2, 4, 64, 32, skew=True),  # 96 pairs on each of two experts: a full and a padded tile
 ]
+# Pairs >= LARGE_PREFILL_PAIRS_PER_EXPERT * experts: the 128-row tiles.
+LARGE_PREFILL_CASES = [
+    Case(256, 2, 4, 96, 48),
+    Case(300, 2, 4, 200, 80, skew=True),  # 300 pairs on each of two experts: two full tiles and a padded one
+]
 
 
-@pytest.mark.parametrize("case", DECODE_CASES + PREFILL_CASES, ids=lambda c: c.id)
+def _expected_tiles(case: Case) -> MoeTiles:
+    if case in LARGE_PREFILL_CASES:
+        return LARGE_PREFILL_TILES
+    return PREFILL_TILES if case in PREFILL_CASES else DECODE_TILES
+
+
+@pytest.mark.parametrize("case", DECODE_CASES + PREFILL_CASES + LARGE_PREFILL_CASES, ids=lambda c: c.id)
 def test_fused_moe_fp32(case: Case) -> None:
     x, weights, ids, gate_up, down = _inputs(case, torch.float32)
-    expected_tiles = PREFILL_TILES if case in PREFILL_CASES else DECODE_TILES
+    expected_tiles = _expected_tiles(case)
     assert tiles_for(case.tokens * case.top_k, case.experts) == expected_tiles
     out = _fused(x, weights, ids, gate_up, down)
     assert out.shape == (case.tokens, case.hidden) and out.dtype == torch.float32
@@ -320,7 +333,8 @@ def test_fused_moe_fp32(case: Case) -> None:
     _assert_close(out, experts_reference(x, weights, ids, gate_up, down), FP32_TOL)
 
 
-@pytest.mark.parametrize("tiles", [DECODE_TILES, PREFILL_TILES], ids=["decode-tiles", "prefill-tiles"])
+@pytest.mark.parametrize("tiles", [DECODE_TILES, PREFILL_TILES, LARGE_PREFILL_TILES],
+                         ids=["decode-tiles", "prefill-tiles", "large-prefill-tiles"])  # fmt: skip
 def test_fused_moe_either_tiles(tiles: MoeTiles) -> None:
     """Either tile set gives the oracle's result (to fp32 error: BLOCK_K sets the reduction's
     chunks, so the bits differ): the prefill tiles at decode sizes, mostly padding, included."""
@@ -469,9 +483,9 @@ def deterministic(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_deterministic_mode_runs_one_tile_set_whatever_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    sizes = (1, 16, PREFILL_PAIRS_PER_EXPERT * 8, 100_000)
+    sizes = (1, 16, PREFILL_PAIRS_PER_EXPERT * 8, LARGE_PREFILL_PAIRS_PER_EXPERT * 8 - 1, 100_000)
     monkeypatch.setattr(batch_invariant, "_enabled", False)
-    assert {step_tiles(n, 8) for n in sizes} == {DECODE_TILES, PREFILL_TILES}
+    assert [step_tiles(n, 8) for n in sizes] == [DECODE_TILES] * 2 + [PREFILL_TILES] * 2 + [LARGE_PREFILL_TILES]
     assert all(step_tiles(n, 8) == tiles_for(n, 8) for n in sizes)
     monkeypatch.setattr(batch_invariant, "_enabled", True)
     assert {step_tiles(n, 8) for n in sizes} == {DETERMINISTIC_TILES}
