@@ -40,10 +40,14 @@ shape, H100), every case bit-identical:
 |---|---|---|---|---|
 | one 64x128 tile (run 47d) | +37.5 % | +27.1 % | +50.7 % | +72.7 % |
 | by M, cp.async only (run 48a) | +29.8 % | +22.6 % | +46.0 % | +29.1 % |
-| ``config_for``'s now: 6-stage decode tiles, persistent TMA from 65 rows (run 48b) | +16.7 % | +19.7 % | +41.2 % | +4.7 % |
+| 6-stage decode tiles, persistent TMA from 65 rows (run 48b) | +16.7 % | +19.7 % | +41.2 % | +4.7 % |
+| the same, the weights' backup no longer pinned beside the steps (run 51a) | +15.0 % | +9.2 % | +24.2 % | +4.6 % |
+| ``config_for``'s now: 64x128 at 65-256 rows of N=4096, 2-warp 10-stage one-row tile (run 51e) | +8.7 % | +9.4 % | +17.7 % | +7.0 % |
 
-Per matrix (run 48a) today's tiles run 1.03-1.15x cuBLAS at 1 and 64 rows and 1.0-1.2x at 8k
-rows, so most of what decode still pays is outside these GEMMs (at b256 ~4 of the 5.9 ms added).
+Per matrix (runs 48a, 51b, 51d) today's tiles run 0.97-1.08x cuBLAS at 1 row, 1.04-1.14x at 64
+and 1.0-1.3x at 256 rows, and 0.92-1.17x at 8k rows. At b1 the default mode's own GEMV kernel
+(``triton_gemv``) is faster than cuBLAS, which is what the +0.30 ms of GEMM left at b1 is against;
+at b256 most of what is left (1.9 of 2.6 ms) is attention (``triton_tiles.INVARIANT_DECODE_TILES``).
 vLLM reports -0.6 % to -20 % end to end for its persistent version of the same idea; SGLang ~34 %.
 
 Launches never synchronise with the host and allocate only the output: CUDA graphs capture them.
@@ -97,18 +101,27 @@ HALF_BLOCK_K = 64
 FP32_BLOCK_K = 32
 # bf16/fp16 tiles by row count: the fastest of the candidates timed on an H100 (run 48a,
 # Llama-3-8B's matrices against cuBLAS; every candidate gave the shipped bits at every M):
-# - up to 16 rows: 16x32, 6 stages (gate_up at one row 1.03x cuBLAS, where 64x32 ran 1.17x);
+# - up to 16 rows: 16x32 on two warps, 10 stages: 40 KiB of weights in flight an SM (runs
+#   51b, 51d: a layer's four matrices at one row in 0.98x cuBLAS's time, 0.94x the 4-warp 6-stage
+#   tile's; 0.97x cuBLAS for lm_head);
 # - up to 64 rows: 64x32, 6 stages: N=4096 gives 128 column tiles to stream the weights
 #   (1.06-1.15x; 4 stages ran 1.2-1.4x);
+# - up to 256 rows of a narrow N (o_proj, down: 4096): 64x128 persistent TMA, 6 stages. 128x128
+#   would make 64 tiles for 132 SMs; this makes 128 (run 51b, 256 rows: o_proj 1.01x cuBLAS and
+#   down 1.05x, where 128x128 ran 1.37x and 1.46x; qkv, gate_up and lm_head ran slower on it);
 # - up to 512 rows: 128x128 persistent TMA, 4 stages, or 128x256 for wide N (1.1-1.3x);
 # - prefill: 128x256 persistent TMA, 3 stages: 1.0-1.2x cuBLAS at 8k rows, where the plain
 #   128x128 kernel ran 1.35-1.47x.
 SMALL_DECODE_ROWS = 16
 DECODE_ROWS = 64
+NARROW_MID_ROWS = 256
+NARROW_N = 4096
 MID_ROWS = 512
 WIDE_N = 16384
-HALF_SMALL_DECODE = MatmulConfig(block_m=16, block_n=32, block_k=HALF_BLOCK_K, group_m=8, num_warps=4, num_stages=6)
+HALF_SMALL_DECODE = MatmulConfig(block_m=16, block_n=32, block_k=HALF_BLOCK_K, group_m=8, num_warps=2, num_stages=10)
 HALF_DECODE = MatmulConfig(block_m=64, block_n=32, block_k=HALF_BLOCK_K, group_m=8, num_warps=4, num_stages=6)
+HALF_NARROW_MID = MatmulConfig(block_m=64, block_n=128, block_k=HALF_BLOCK_K, group_m=8, num_warps=4, num_stages=6,
+                               persistent_tma=True)  # fmt: skip
 HALF_MID = MatmulConfig(block_m=128, block_n=128, block_k=HALF_BLOCK_K, group_m=8, num_warps=8, num_stages=4,
                         persistent_tma=True)  # fmt: skip
 HALF_WIDE = MatmulConfig(block_m=128, block_n=256, block_k=HALF_BLOCK_K, group_m=8, num_warps=8, num_stages=3,
@@ -126,6 +139,8 @@ def config_for(n: int, k: int, m: int, dtype: torch.dtype) -> MatmulConfig:
             return HALF_SMALL_DECODE
         if m <= DECODE_ROWS:
             return HALF_DECODE
+        if m <= NARROW_MID_ROWS and n <= NARROW_N:
+            return HALF_NARROW_MID
         if m <= MID_ROWS and n < WIDE_N:
             return HALF_MID
         return HALF_WIDE

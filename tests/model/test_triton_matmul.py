@@ -51,8 +51,8 @@ UNIT_ROUNDING = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat1
 SMALL = MatmulConfig(block_m=16, block_n=32, block_k=16, group_m=2, num_warps=1, num_stages=1)
 # (N, K): both ragged; ragged N over an even K (no K tail); K shorter than one chunk.
 SHAPES = ((200, 150), (77, 128), (45, 24))
-# Across config_for's row buckets too (decode <= 64 < mid <= 512 < prefill).
-BATCHES = (1, 3, 17, 64, 65, 130, 513)
+# Across config_for's row buckets too (decode <= 64 < narrow mid <= 256 < mid <= 512 < prefill).
+BATCHES = (1, 3, 17, 64, 65, 130, 257, 513)
 TARGETS = 3  # rows whose bits are followed through every batch
 
 
@@ -182,7 +182,7 @@ def test_the_persistent_tma_kernel_gives_the_plain_kernels_bits(with_bias: bool)
 def test_every_row_bucket_reduces_in_the_same_order() -> None:
     """``config_for`` may change the tile with M, never BLOCK_K: the order of a row's sum."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        chunks = {config_for(n, k, m, dtype).block_k for m in (1, 64, 65, 512, 513, 8192)
+        chunks = {config_for(n, k, m, dtype).block_k for m in (1, 64, 65, 256, 257, 512, 513, 8192)
                   for n, k in ((4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))}  # fmt: skip
         assert len(chunks) == 1, (dtype, chunks)
 
@@ -284,13 +284,13 @@ def test_a_rows_log_softmax_bits_do_not_depend_on_its_index_cuda(deterministic, 
 @GPU_ONLY
 def test_bf16_rows_are_invariant_and_near_cublas_cuda() -> None:
     """Llama-3-8B's o_proj and down in bf16: a row's bits alone and among others in every row
-    bucket of ``config_for`` (1, 41, 256 and 1,024 rows: four tile shapes, mma.sync and wgmma,
-    cp.async and TMA), and the result within bf16 rounding of cuBLAS."""
+    bucket of ``config_for`` (1, 41, 256, 512 and 1,024 rows: five tile shapes, mma.sync and
+    wgmma, cp.async and TMA), and the result within bf16 rounding of cuBLAS."""
     for n, k in ((4096, 4096), (4096, 14336)):
         weight = _rand((n, k), torch.bfloat16, seed=1, scale=k**-0.5)
         x = _rand((1024, k), torch.bfloat16, seed=2)
         alone = matmul(x[40:41].contiguous(), weight)[0]
-        for m in (41, 64, 256, 1024):
+        for m in (41, 64, 256, 512, 1024):
             assert torch.equal(matmul(x[:m].contiguous(), weight)[40], alone), (n, k, m)
         for config in (config_for(n, k, 1024, torch.bfloat16), config_for(n, k, 1, torch.bfloat16)):
             tma = dataclasses.replace(config, persistent_tma=True)
