@@ -243,7 +243,7 @@ class TritonAttention:
         shapes = _shapes(q, k_cache)
         dtype = _compute_dtype(q, k_cache)
         tiles = tiling.prefill_tiles(shapes.head_dim, dtype)
-        decode_tiles = tiling.decode_tiles(shapes.head_dim, dtype)
+        decode_tiles = tiling.decode_tiles(shapes.head_dim, dtype, is_quantized(k_cache.dtype))
         block_m = _prefill_block_m(tiles, shapes.group)
         block_q = block_m // shapes.group
         stride_block, stride_slot, stride_head = _cache_strides(k_cache, v_cache)
@@ -420,7 +420,7 @@ class TritonAttention:
         dtype = _compute_dtype(q, k_cache)
         block_h = _decode_block_h(shapes.group)
         if tiles is None:
-            tiles = tiling.decode_tiles(shapes.head_dim, dtype)
+            tiles = tiling.decode_tiles(shapes.head_dim, dtype, is_quantized(k_cache.dtype))
         else:
             block_h = max(block_h, tiles.block_m)
         if num_splits is None:

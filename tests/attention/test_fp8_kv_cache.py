@@ -21,6 +21,7 @@ from siesta.attention.torch_ref import TorchAttention, write_kv
 from siesta.kv.hashing import ExtraKeys
 
 triton = pytest.importorskip("triton")
+from siesta.attention import triton_tiles as tiling  # noqa: E402
 from siesta.attention.triton_attention import BatchInvariantTritonAttention, TritonAttention  # noqa: E402
 from siesta.attention.triton_kv_write import write_kv_triton  # noqa: E402
 
@@ -304,3 +305,17 @@ def test_an_fp8_cache_costs_a_byte_a_value_and_zeroes_blocks_through_bytes() -> 
     cache.tensor.copy_(torch.ones(cache.tensor.shape).to(torch.float8_e4m3fn))
     cache.zero_blocks(torch.tensor([1], device=DEVICE))
     assert cache.tensor[1].float().abs().sum() == 0 and cache.tensor[[0, 2]].float().min() == 1
+
+
+def test_half_precision_decode_over_fp8_takes_its_own_key_step_and_is_float64_attention() -> None:
+    """128-wide heads over an fp8 cache decode 128 keys a step where bf16 takes 64 (the same
+    bytes a step); the rows are still float64 attention over the dequantized K/V."""
+    assert tiling.decode_tiles(128, torch.float16, fp8_cache=True).block_n == 128
+    assert tiling.decode_tiles(128, torch.float16).block_n == 64
+    assert tiling.decode_tiles(128, torch.float32, fp8_cache=True) == tiling.decode_tiles(128, torch.float32)
+    specs = [(300, 1), (130, 1)]
+    q, k, v, cache, meta, contexts = batch(specs, group=2, head_dim=128, block=16, compute=torch.float16,
+                                           dtype=torch.float8_e4m3fn, seed=7)  # fmt: skip
+    out = torch.full_like(q, float("nan"))
+    TritonAttention(decode_splits=2).forward(q, k, v, cache, LAYER, meta, 128**-0.5, out=out)
+    assert rel_error(out, dense(q, meta, contexts, 128**-0.5)) < TOLERANCE[torch.float16]
