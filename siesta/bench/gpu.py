@@ -848,6 +848,13 @@ def _moe_tiles():
     return moe_tiles
 
 
+def _fp8_decode():
+    """Imported when used, as ``_invariant_matmul``."""
+    from siesta.bench import fp8_decode
+
+    return fp8_decode
+
+
 def moe_tiles(args: argparse.Namespace) -> dict[str, Any]:
     module = _moe_tiles()
     text = args.moe_tile_candidates or module.CANDIDATES
@@ -886,14 +893,17 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "invariant_attention": invariant_attention,
     "backup_pinning": backup_pinning.run,
     "moe_tiles": moe_tiles,
+    "fp8_decode": lambda args: _fp8_decode().run(torch.device(args.device or "cuda")),
 }
 # Run by name only: diagnostics; resume_http, which runs the resume section again beside the
 # server; tensor_parallel, which needs a host with several GPUs; invariant_matmul, deterministic
 # mode's GEMM against cuBLAS per matrix; invariant_attention, its decode rows against the prefill tile;
 # backup_pinning, decode steps beside and between the pinning of the weights' sleep backup;
-# moe_tiles, the fused-MoE kernels' tiles against candidates.
+# moe_tiles, the fused-MoE kernels' tiles against candidates; fp8_decode, the split-KV decode
+# over an fp8 cache against bf16.
 DIAGNOSTIC_SECTIONS = ("resume_http", "resume_trace", "decode_trace", "step_io", "decode_kernels", "tensor_parallel",
-                       "invariant_matmul", "invariant_attention", "backup_pinning", "moe_tiles")  # fmt: skip
+                       "invariant_matmul", "invariant_attention", "backup_pinning", "moe_tiles",
+                       "fp8_decode")  # fmt: skip
 
 
 def summary(results: dict[str, Any]) -> list[list[Any]]:
@@ -991,6 +1001,8 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
         rows.extend(moe_bench.summary_rows(results["moe"]))
     if isinstance(results.get("moe_tiles"), dict) and "rows" in results["moe_tiles"]:
         rows.extend(_moe_tiles().summary_rows(results["moe_tiles"]))
+    if isinstance(results.get("fp8_decode"), dict) and "rows" in results["fp8_decode"]:
+        rows.extend(_fp8_decode().summary_rows(results["fp8_decode"]))
     if isinstance(results.get("backup_pinning"), dict):
         rows.extend(backup_pinning.summary_rows(results["backup_pinning"]))
     if isinstance(results.get("invariant_matmul"), dict) and "results" in results["invariant_matmul"]:

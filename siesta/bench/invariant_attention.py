@@ -63,7 +63,7 @@ def parse_candidate(text: str) -> tiling.Tiles:
     return tiling.Tiles(block_m=int(rows), block_n=0, num_warps=int(warps), num_stages=int(stages))
 
 
-def _inputs(batch: int, context: int, head_dim: int, group: int, kv_heads: int, kv_dtype: torch.dtype,
+def decode_inputs(batch: int, context: int, head_dim: int, group: int, kv_heads: int, kv_dtype: torch.dtype,
             q_dtype: torch.dtype, device: torch.device):  # fmt: skip
     blocks = -(-context // PAGE)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -89,7 +89,7 @@ def measure(heads: tuple, kv_name: str, batch: int, context: int, candidates: li
     name, head_dim, group, kv_heads = heads
     kv_dtype = getattr(torch, kv_name)
     q_dtype = torch.float32 if kv_dtype == torch.float32 else torch.bfloat16
-    q, k, v, meta = _inputs(batch, context, head_dim, group, kv_heads, kv_dtype, q_dtype, device)
+    q, k, v, meta = decode_inputs(batch, context, head_dim, group, kv_heads, kv_dtype, q_dtype, device)
     scale, scales = head_dim**-0.5, ((FP8_SCALE, FP8_SCALE) if kv_dtype.itemsize == 1 else (1.0, 1.0))
     backend = TritonAttention()
     compute = q_dtype if kv_dtype.itemsize == 1 else kv_dtype
