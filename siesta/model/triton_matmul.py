@@ -241,7 +241,8 @@ def _tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
                for t in (x, weight))  # fmt: skip
 
 
-def _programs(device: torch.device) -> int:
+def persistent_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one an SM (a few under the interpreter)."""
     if device.type != "cuda":
         return INTERPRETER_PROGRAMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -252,7 +253,7 @@ def _launch_tma(x, weight, bias, out, config: MatmulConfig) -> None:
 
     m, k = x.shape
     n = weight.shape[0]
-    programs = min(_programs(x.device), triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n))
+    programs = min(persistent_programs(x.device), triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n))
     _matmul_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [config.block_m, config.block_k]),
         TensorDescriptor.from_tensor(weight, [config.block_n, config.block_k]),

@@ -25,7 +25,13 @@ launches and 3.8 ms of device time in a 5.2 ms step, still launch-bound). A toke
 are distinct, so at one token no expert is read twice; at two, rarely (an expert both tokens
 chose is read twice, where the sorted path reads it once). Deterministic mode keeps the sorted path and its one tile set.
 
-Row tiles past the padded total return at once. The weights are read once per row tile that
+Row tiles past the padded total return at once. With ``MoeTiles.persistent`` each GEMM is
+instead one program an SM walking the row tiles in use (read from the device) with their
+feature tiles in turn: which program computes a tile, never its sums. The down GEMM reduces
+over I = 768 only (12 chunks of 64), so a tile's prologue and epilogue weigh on it: on an H100
+it ran at ~290 TFLOP/s where gate/up ran at ~530 (run 51b's profile). The persistent launch lets
+Triton pipeline one tile's loads under the last one's epilogue; it is a ``moe_tiles`` candidate
+until a GPU run measures it. The weights are read once per row tile that
 an expert's tokens fill: at decode, one tile per expert touched, the bytes the roofline counts.
 
 Deterministic mode (``batch_invariant``): one tile set (``DETERMINISTIC_TILES``) whatever the
@@ -47,6 +53,7 @@ import triton.language as tl
 
 from siesta.model import batch_invariant
 from siesta.model.moe import sum_over_k
+from siesta.model.triton_matmul import persistent_programs
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,9 @@ class MoeTiles:
     block_k: int  # reduction chunk
     num_warps: int = 4
     num_stages: int = 2
+    # One program per SM walking the row tiles in use (``_gate_up_kernel``'s docstring). Not
+    # shipped yet: a candidate for ``python -m siesta.bench.moe_tiles`` (suffix ``p``).
+    persistent: bool = False
 
 
 # Few pairs a tile (decode): small row tiles, wide feature tiles. Many (prefill): square-ish
@@ -173,25 +183,34 @@ def fused_moe(
     # fp32 weights are multiplied in fp32, not TF32 (Triton's default for fp32 dots).
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
-    grid = (a.max_tiles, triton.cdiv(inter, tiles.block_n))
+    grid, programs = _grid(a.max_tiles, triton.cdiv(inter, tiles.block_n), tiles.persistent, x.device)
     _gate_up_kernel[grid](
         x, gate_up, act, a.sorted_pairs, a.tile_expert, a.num_padded,
         n, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0),
         TOP_K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PERSISTENT=tiles.persistent, PROGRAMS=programs, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     pair_out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).contiguous()
-    grid = (a.max_tiles, triton.cdiv(hidden, tiles.block_n))
+    grid, programs = _grid(a.max_tiles, triton.cdiv(hidden, tiles.block_n), tiles.persistent, x.device)
     _down_kernel[grid](
         act, down, pair_out, flat_weights, a.sorted_pairs, a.tile_expert, a.num_padded,
         n, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), down.stride(2), pair_out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PERSISTENT=tiles.persistent, PROGRAMS=programs, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return sum_over_k(pair_out.view(t, k, hidden))
+
+
+def _grid(row_tiles: int, feature_tiles: int, persistent: bool, device: torch.device) -> tuple[tuple, int]:
+    """A launch's grid and, persistent, its program count: at most one program an SM (the tiles
+    in use are known on the device only; the bound on them here)."""
+    if not persistent:
+        return (row_tiles, feature_tiles), 1
+    programs = min(persistent_programs(device), row_tiles * feature_tiles)
+    return (programs,), programs
 
 
 def uses_pair_path(tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
@@ -313,18 +332,15 @@ def _down_sum_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < H)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+@triton.jit
+def _gate_up_tile(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, pid_m, pid_n,
     num_pairs, H, I,
     stride_xm, stride_we, stride_wn, stride_wk, stride_om,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
+    """Row tile ``pid_m`` x feature tile ``pid_n`` of ``silu(gate_e x) * up_e x``."""
     expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ptr + offs_m)
@@ -352,17 +368,14 @@ def _gate_up_kernel(
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def _down_kernel(
-    a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+@triton.jit
+def _down_tile(
+    a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, pid_m, pid_n,
     num_pairs, H, I,
     stride_am, stride_we, stride_wn, stride_wk, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
-        return
+    """Row tile ``pid_m`` x output tile ``pid_n`` of ``weight * down_e act``."""
     expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ptr + offs_m)
@@ -384,3 +397,61 @@ def _down_kernel(
     acc = acc * routing[:, None]
     out = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    num_pairs, H, I,
+    stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    """One tile a program on a (row tiles, feature tiles) grid; or, PERSISTENT, PROGRAMS
+    programs each walking tiles pid, pid + PROGRAMS, ... over the padded rows in use (the row
+    tile's feature tiles in turn), which lets one tile's loads start during the last's epilogue."""
+    if PERSISTENT:
+        num_n = tl.cdiv(I, BLOCK_N)
+        tiles = tl.load(num_padded_ptr) // BLOCK_M * num_n
+        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+            _gate_up_tile(
+                x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, tile // num_n, tile % num_n,
+                num_pairs, H, I, stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+            )  # fmt: skip
+    else:
+        pid_m = tl.program_id(0)
+        if pid_m * BLOCK_M < tl.load(num_padded_ptr):
+            _gate_up_tile(
+                x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, pid_m, tl.program_id(1),
+                num_pairs, H, I, stride_xm, stride_we, stride_wn, stride_wk, stride_om,
+                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+            )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _down_kernel(
+    a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    num_pairs, H, I,
+    stride_am, stride_we, stride_wn, stride_wk, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    """As ``_gate_up_kernel``, for the down projection."""
+    if PERSISTENT:
+        num_n = tl.cdiv(H, BLOCK_N)
+        tiles = tl.load(num_padded_ptr) // BLOCK_M * num_n
+        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+            _down_tile(
+                a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, tile // num_n, tile % num_n,
+                num_pairs, H, I, stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+            )  # fmt: skip
+    else:
+        pid_m = tl.program_id(0)
+        if pid_m * BLOCK_M < tl.load(num_padded_ptr):
+            _down_tile(
+                a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, pid_m, tl.program_id(1),
+                num_pairs, H, I, stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+            )  # fmt: skip

@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -341,6 +341,19 @@ def test_fused_moe_either_tiles(tiles: MoeTiles) -> None:
     case = Case(6, 2, 16, 200, 80)
     x, weights, ids, gate_up, down = _inputs(case, torch.float32)
     _assert_close(_fused(x, weights, ids, gate_up, down, tiles), _oracle(x, weights, ids, gate_up, down), FP32_TOL)
+
+
+@pytest.mark.parametrize("case", [Case(6, 2, 16, 200, 80), Case(300, 2, 4, 200, 80, skew=True)], ids=lambda c: c.id)
+@pytest.mark.parametrize("tiles", [DECODE_TILES, LARGE_PREFILL_TILES], ids=["decode-tiles", "large-prefill-tiles"])
+def test_persistent_kernels_give_the_tiles_own_bits(case: Case, tiles: MoeTiles) -> None:
+    """The persistent launch (a few programs walking the row tiles in use, their feature tiles
+    in turn; most of the bound's row tiles are padding at decode sizes, several an expert under
+    the skew) computes every tile the one-tile-a-program launch does, with the same sums."""
+    x, weights, ids, gate_up, down = _inputs(case, torch.float32)
+    persistent = replace(tiles, persistent=True)
+    out = _fused(x, weights, ids, gate_up, down, persistent)
+    assert torch.equal(out, _fused(x, weights, ids, gate_up, down, tiles))
+    _assert_close(out, _oracle(x, weights, ids, gate_up, down), FP32_TOL)
 
 
 def test_fused_moe_strided_inputs() -> None:
