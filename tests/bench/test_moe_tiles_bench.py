@@ -5,6 +5,7 @@ cannot run is a result rather than a crash, and the table reads it."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -36,4 +37,6 @@ def test_parse_candidate() -> None:
                                                            num_stages=4)  # fmt: skip
     with pytest.raises(ValueError, match="BLOCK_MxBLOCK_NxBLOCK_K"):
         mt.parse_candidate("128w8s4")
-    assert all(mt.parse_candidate(c) for c in mt.CANDIDATES.split(","))
+    assert mt.parse_candidate("128x64x32w8s4p") == MoeTiles(block_m=128, block_n=64, block_k=32, num_warps=8,
+                                                            num_stages=4, persistent=True)  # fmt: skip
+    assert all(mt.tile_label(asdict(mt.parse_candidate(c))) == c for c in mt.CANDIDATES.split(","))
