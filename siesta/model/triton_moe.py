@@ -25,14 +25,15 @@ launches and 3.8 ms of device time in a 5.2 ms step, still launch-bound). A toke
 are distinct, so at one token no expert is read twice; at two, rarely (an expert both tokens
 chose is read twice, where the sorted path reads it once). Deterministic mode keeps the sorted path and its one tile set.
 
-Row tiles past the padded total return at once. With ``MoeTiles.persistent`` each GEMM is
-instead one program an SM walking the row tiles in use (read from the device) with their
-feature tiles in turn: which program computes a tile, never its sums. The down GEMM reduces
-over I = 768 only (12 chunks of 64), so a tile's prologue and epilogue weigh on it: on an H100
-it ran at ~290 TFLOP/s where gate/up ran at ~530 (run 51b's profile). The persistent launch lets
-Triton pipeline one tile's loads under the last one's epilogue; it is a ``moe_tiles`` candidate
-until a GPU run measures it. The weights are read once per row tile that
+Row tiles past the padded total return at once. The weights are read once per row tile that
 an expert's tokens fill: at decode, one tile per expert touched, the bytes the roofline counts.
+
+With ``MoeTiles.persistent`` each GEMM is instead one program an SM walking the row tiles in use
+(read from the device) with their feature tiles in turn: which program computes a tile, never
+its sums. The down GEMM reduces over I = 768 only (12 chunks of 64), so a tile's prologue and
+epilogue weigh on it: on an H100 it ran at ~290 TFLOP/s where gate/up ran at ~530 (run 51b's
+profile). The persistent launch lets Triton pipeline one tile's loads under the last one's
+epilogue; it is a ``moe_tiles`` candidate until a GPU run measures it.
 
 Deterministic mode (``batch_invariant``): one tile set (``DETERMINISTIC_TILES``) whatever the
 step's size, so a pair's sums run over the same BLOCK_K chunks on the same MMA shape. Nothing
