@@ -5,14 +5,15 @@ inlined into four launchable kernels: ``unified_kernel`` (any batch),
 ``prefill_split_kernel`` and ``decode_split_kernel`` (split-KV), and
 ``reduce_splits_kernel`` (the log-sum-exp merge of split partials).
 
-An fp8 cache (``KV_FP8``) is widened in registers as each K/V tile is loaded, to the query's
-dtype, which the matrix products then run in. The widening is exact (e4m3 and e5m2 values are
-bf16 and fp16 values), and the scales are applied once outside the tiles: K's folded into the
-softmax's scale, V's on the accumulator after the last tile. Scaling every element before the
-products (``(x.to(fp32) * scale).to(bf16)``, as before) rounded each scaled value to bf16, which
-this does not. It was not what held fp8 decode to ~1.9 TB/s on an H100 where bf16 reads 3.0:
-alone it left that unchanged (run 51g, ``python -m siesta.bench.fp8_decode``); the 128-key decode
-step over fp8 (``triton_tiles.FP8_DECODE_TILES``) took it to 2.0-2.1 TB/s (run 51h).
+An fp8 cache (``KV_FP8``) is dequantized in registers as each K/V tile is loaded:
+``x.to(fp32) * scale``, then the query's dtype, which the matrix products then run in (vLLM's
+Triton attention does the same). Widening the raw fp8 values straight to bf16 and applying the
+scales outside the tiles (exact, and tried in runs 51g-h) left the mma.sync decode tiles as fast,
+but made every wgmma tile 12-27 % slower (the prefill tile and deterministic mode's 64-row decode
+tile, H100 run 52a, ``python -m siesta.bench.invariant_attention``), and the kept fp8 resume's
+steps with tail prefills ~28 ms where they had taken ~11 (run 52a: 16.7x; run 52b, this way
+again: 25.7x). The scaled value's one extra bf16 rounding (2^-9 relative) is small beside fp8's
+own (2^-4).
 """
 
 import triton
@@ -85,16 +86,17 @@ def _attend_tile(
     m_i,
     l_i,
     scale_log2,
+    k_scale,
+    v_scale,
     MASK_KEYS: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    """One online-softmax step over a K/V tile; ``visible`` masks scores when MASK_KEYS. Over an
-    fp8 cache the tile's unscaled values (``_fp8_scaled`` has the scales)."""
+    """One online-softmax step over a K/V tile; ``visible`` masks scores when MASK_KEYS."""
     k = _load_tile(k_cache_ptr, offsets, key_mask, d_mask, MASK_KEYS, EVEN_D)
-    if KV_FP8:  # widened in registers (exactly), into the query's dtype
-        k = k.to(q.dtype)
+    if KV_FP8:  # dequantized in registers, into the query's dtype
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASK_KEYS:
         scores = tl.where(visible, scores, float("-inf"))
@@ -108,25 +110,9 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_cache_ptr, offsets, key_mask, d_mask, MASK_KEYS, EVEN_D)
     if KV_FP8:
-        v = v.to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
-
-
-@triton.jit
-def _fp8_scale_log2(scale_log2, k_scale, KV_FP8: tl.constexpr):
-    """The softmax's scale over unscaled fp8 keys: ``q . (s_k k) = s_k (q . k)``."""
-    if KV_FP8:
-        scale_log2 = scale_log2 * k_scale
-    return scale_log2
-
-
-@triton.jit
-def _fp8_scaled(acc, v_scale, KV_FP8: tl.constexpr):
-    """The weighted sum of unscaled fp8 values, times their scale: ``sum p (s_v v) = s_v sum p v``."""
-    if KV_FP8:
-        acc = acc * v_scale
-    return acc
 
 
 @triton.jit
@@ -173,7 +159,6 @@ def _decode_range(
     if not KV_FP8:  # the products run in the cache's dtype; over an fp8 cache, in the query's
         q = q.to(k_cache_ptr.dtype.element_ty)
 
-    scale_log2 = _fp8_scale_log2(scale_log2, k_scale, KV_FP8)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -185,9 +170,9 @@ def _decode_range(
         )
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, key_mask, d_mask, key_mask[None, :],
-            acc, m_i, l_i, scale_log2, True, HEAD_DIM == BLOCK_D, DOT_PRECISION, KV_FP8,
+            acc, m_i, l_i, scale_log2, k_scale, v_scale, True, HEAD_DIM == BLOCK_D, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
-    return _fp8_scaled(acc, v_scale, KV_FP8), m_i, l_i
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -282,7 +267,6 @@ def _prefill_tile(
     if not KV_FP8:  # the products run in the cache's dtype; over an fp8 cache, in the query's
         q = q.to(k_cache_ptr.dtype.element_ty)
 
-    scale_log2 = _fp8_scale_log2(scale_log2, k_scale, KV_FP8)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -297,7 +281,7 @@ def _prefill_tile(
         )
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, None, d_mask, None,
-            acc, m_i, l_i, scale_log2, False, EVEN_D, DOT_PRECISION, KV_FP8,
+            acc, m_i, l_i, scale_log2, k_scale, v_scale, False, EVEN_D, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
     for start in range(tl.maximum(key_lo, unmasked_end), key_hi, BLOCK_N):
         key_pos = start + offs_n
@@ -308,9 +292,9 @@ def _prefill_tile(
         )
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, key_mask, d_mask, visible,
-            acc, m_i, l_i, scale_log2, True, EVEN_D, DOT_PRECISION, KV_FP8,
+            acc, m_i, l_i, scale_log2, k_scale, v_scale, True, EVEN_D, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
-    return _fp8_scaled(acc, v_scale, KV_FP8), m_i, l_i
+    return acc, m_i, l_i
 
 
 @triton.jit
