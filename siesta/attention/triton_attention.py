@@ -243,7 +243,9 @@ class TritonAttention:
         shapes = _shapes(q, k_cache)
         dtype = _compute_dtype(q, k_cache)
         tiles = tiling.prefill_tiles(shapes.head_dim, dtype)
-        decode_tiles = tiling.decode_tiles(shapes.head_dim, dtype, is_quantized(k_cache.dtype))
+        # The unified launch's decode rows keep the 64-key step over fp8 too: the 128-key fp8 step
+        # was timed (run 51g) in the 4-warp split kernel only, not beside this launch's prefill tiles.
+        decode_tiles = tiling.decode_tiles(shapes.head_dim, dtype)
         block_m = _prefill_block_m(tiles, shapes.group)
         block_q = block_m // shapes.group
         stride_block, stride_slot, stride_head = _cache_strides(k_cache, v_cache)
@@ -528,7 +530,9 @@ class BatchInvariantTritonAttention(TritonAttention):
             self.unified(q, k_cache, v_cache, meta, scale, out, skip_decode=True, scales=scales)
         starts = meta.query_start_loc_cpu
         if meta.is_decode_only or any(starts[i + 1] - starts[i] == 1 for i in range(meta.num_reqs)):
-            tiles = tiling.invariant_decode_tiles(q.shape[-1], _compute_dtype(q, k_cache))
+            programs = meta.num_reqs * k_cache.shape[2]
+            tiles = tiling.invariant_decode_tiles(q.shape[-1], _compute_dtype(q, k_cache), programs,
+                                                  tiling.device_sm_count(q.device), is_quantized(k_cache.dtype))
             self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=1, scales=scales, tiles=tiles)
         return out
 

@@ -78,6 +78,14 @@ INVARIANT_DECODE_TILES: dict[int, Tiles] = {
     128: Tiles(block_m=64, block_n=128, num_warps=4, num_stages=2),
     256: PREFILL_TILES[256],  # no narrower tile measured: the prefill tile's own
 }
+# The same rows when a batch gives every SM a program of its own (bf16 caches, 128-wide heads): one
+# stage of K/V (64 KiB), so two programs share an SM and one's loads run under the other's products.
+# H100 run 52a: 0.86x the two-stage tile's time at batch 64 and 0.88x at 256 (Llama-3-8B, 512
+# keys), the same bits; at batch 1 (8 programs) 1.2x, so a lone program keeps its two stages.
+CROWDED_INVARIANT_DECODE_TILES: dict[int, Tiles] = {
+    **INVARIANT_DECODE_TILES,
+    128: Tiles(block_m=64, block_n=128, num_warps=4, num_stages=1),
+}
 # fp32 caches (tests, CPU-sized runs): the prefill tiles themselves, rows and all. Speed does not
 # matter there, and Triton's interpreter, whose products are numpy's, gives other bits for a
 # product of other rows.
@@ -106,9 +114,15 @@ def decode_tiles(head_dim: int, dtype: torch.dtype, fp8_cache: bool = False) -> 
     return _tiles_for(FP8_DECODE_TILES if fp8_cache else DECODE_TILES, head_dim)
 
 
-def invariant_decode_tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
-    wide = dtype.itemsize > _HALF_BYTES
-    return _tiles_for(WIDE_INVARIANT_DECODE_TILES if wide else INVARIANT_DECODE_TILES, head_dim)
+def invariant_decode_tiles(head_dim: int, dtype: torch.dtype, programs: int = 0, sm_count: int = _FALLBACK_SM_COUNT,
+                           fp8_cache: bool = False) -> Tiles:  # fmt: skip
+    """Deterministic mode's decode tiles for products in ``dtype``; ``programs`` (decode rows x KV
+    heads) at least ``sm_count`` take the one-stage tile over a half-precision cache. The key step
+    is the prefill tile's in every case, and stages do not change a row's sums."""
+    if dtype.itemsize > _HALF_BYTES:
+        return _tiles_for(WIDE_INVARIANT_DECODE_TILES, head_dim)
+    crowded = programs >= sm_count and not fp8_cache
+    return _tiles_for(CROWDED_INVARIANT_DECODE_TILES if crowded else INVARIANT_DECODE_TILES, head_dim)
 
 
 def _tiles_for(table: dict[int, Tiles], head_dim: int) -> Tiles:

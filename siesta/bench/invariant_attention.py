@@ -94,7 +94,8 @@ def measure(heads: tuple, kv_name: str, batch: int, context: int, candidates: li
     backend = TritonAttention()
     compute = q_dtype if kv_dtype.itemsize == 1 else kv_dtype
     prefill_n = tiling.prefill_tiles(head_dim, compute).block_n
-    shipped = tiling.invariant_decode_tiles(head_dim, compute)
+    shipped = tiling.invariant_decode_tiles(head_dim, compute, batch * kv_heads, tiling.device_sm_count(device),
+                                            kv_dtype.itemsize == 1)
     outs = {key: torch.empty_like(q) for key in ("split", "ref", "shipped", "try")}
 
     def split(_: int) -> None:

@@ -39,5 +39,16 @@ def test_decode_rows_keep_the_prefill_tiles_key_step() -> None:
     tiles' for every head size and width."""
     for head_dim in (64, 128, 256):
         for dtype in (torch.bfloat16, torch.float32):
-            decode = tiling.invariant_decode_tiles(head_dim, dtype)
-            assert decode.block_n == tiling.prefill_tiles(head_dim, dtype).block_n
+            for programs, fp8 in ((1, False), (4096, False), (4096, True)):
+                decode = tiling.invariant_decode_tiles(head_dim, dtype, programs, 132, fp8)
+                assert decode.block_n == tiling.prefill_tiles(head_dim, dtype).block_n
+
+
+def test_a_crowded_batch_takes_one_stage_and_a_lone_program_two() -> None:
+    """Stages do not change a row's sums, so the tile may follow the batch: one stage once every SM
+    has a program (two then share it), two for a few programs, and fp8 caches keep two."""
+    lone = tiling.invariant_decode_tiles(128, torch.bfloat16, 8, 132)
+    crowded = tiling.invariant_decode_tiles(128, torch.bfloat16, 132, 132)
+    assert (lone.num_stages, crowded.num_stages) == (2, 1)
+    assert tiling.invariant_decode_tiles(128, torch.bfloat16, 2048, 132, fp8_cache=True) == lone
+    assert lone.block_m == crowded.block_m == 64
