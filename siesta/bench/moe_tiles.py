@@ -33,22 +33,22 @@ SHAPE = ("qwen3-30b-a3b", 128, 2048, 768, 8)
 TOKENS = (16, 64, 256, 2048, 8192)  # decode batches, a piecewise bucket, the 8k prefill
 SMOKE_SHAPE = ("tiny", 8, 64, 32, 2)
 SMOKE_TOKENS = (3, 40)
-# The shipped tiles persistent, and run 51b's runners-up.
-CANDIDATES = "128x128x64w8s3p,128x128x64w8s4p,64x128x64w8s3p,16x64x128w4s3p,128x128x64w8s4,64x256x64w8s3"
+# Persistent launches of both GEMMs or of down alone, and run 51b's runners-up.
+CANDIDATES = "128x128x64w8s4p,128x128x64w8s3d,128x128x64w8s4,64x128x64w8s3p,64x256x64w8s3"
 CALLS_PER_GRAPH = 4
 TOLERANCE = 2e-2  # max |diff| over max |out|: two bf16 tilings' rounding, not a wrong product
-_CANDIDATE = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(p?)")
+_CANDIDATE = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)([pd]?)")
 
 
 def parse_candidate(text: str) -> MoeTiles:
     """``128x128x64w8s4``: rows, features, reduction chunk, warps, stages; a trailing ``p``
-    launches the persistent kernels (``MoeTiles.persistent``)."""
+    launches both GEMMs persistent (``MoeTiles.persistent``), ``d`` the down GEMM alone."""
     match = _CANDIDATE.fullmatch(text.strip())
     if match is None:
-        raise ValueError(f"a tile is BLOCK_MxBLOCK_NxBLOCK_KwWARPSsSTAGES[p], e.g. 128x128x64w8s4, got {text!r}")
+        raise ValueError(f"a tile is BLOCK_MxBLOCK_NxBLOCK_KwWARPSsSTAGES[p|d], e.g. 128x128x64w8s4, got {text!r}")
     m, n, k, warps, stages = (int(g) for g in match.groups()[:5])
     return MoeTiles(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages,
-                    persistent=match.group(6) == "p")  # fmt: skip
+                    persistent=match.group(6) == "p", persistent_down=match.group(6) == "d")  # fmt: skip
 
 
 def _inputs(tokens: int, experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, device: torch.device):
@@ -114,7 +114,7 @@ def run(device: torch.device, smoke: bool = False, candidates: list[MoeTiles] | 
 def tile_label(tiles: dict) -> str:
     """``parse_candidate``'s syntax for a tile set's dict."""
     return (f"{tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']}w{tiles['num_warps']}s{tiles['num_stages']}"
-            + ("p" if tiles.get("persistent") else ""))  # fmt: skip
+            + ("p" if tiles.get("persistent") else "d" if tiles.get("persistent_down") else ""))  # fmt: skip
 
 
 def summary_rows(res: dict) -> list[list]:

@@ -46,7 +46,7 @@ changes it. ``align``'s sort is of integers (exact), and the sum over k is an ex
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -64,9 +64,14 @@ class MoeTiles:
     block_k: int  # reduction chunk
     num_warps: int = 4
     num_stages: int = 2
-    # One program per SM walking the row tiles in use (``_gate_up_kernel``'s docstring). Not
-    # shipped yet: a candidate for ``python -m siesta.bench.moe_tiles`` (suffix ``p``).
+    # One program per SM walking the row tiles in use (``_gate_up_kernel``'s docstring), for
+    # both GEMMs or the down GEMM alone; in ``python -m siesta.bench.moe_tiles`` a tile's suffix
+    # ``p`` or ``d``.
     persistent: bool = False
+    persistent_down: bool = False
+
+    def down_persistent(self) -> bool:
+        return self.persistent or self.persistent_down
 
 
 # Few pairs a tile (decode): small row tiles, wide feature tiles. Many (prefill): square-ish
@@ -74,9 +79,16 @@ class MoeTiles:
 # ``python -m siesta.bench.moe_tiles`` on an H100 (run 51a, Qwen3-30B-A3B's experts): the
 # 128-row tile ran both GEMMs in 0.92x the 64-row tile's time at 2k tokens (128 pairs an
 # expert) and 0.87x at 8k; at 16 to 256 tokens no candidate beat the decode tiles by over 3 %.
+# Persistent launches (runs 52a-b): both GEMMs on the large tile with 4 stages took 0.91x the
+# one-tile-a-program time at 2k and 8k tokens in the sweep (slower at 16 to 256 tokens), but in
+# the 8k prefill gate/up went from 37.0 to 42.5 ms while down went from 34.7 to 27.6: only down,
+# whose I = 768 reduction leaves each tile's prologue and epilogue exposed, runs persistent.
 DECODE_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 PREFILL_TILES = MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
-LARGE_PREFILL_TILES = MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+LARGE_PREFILL_TILES = MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, persistent_down=True)
+# fp32 experts (tests, the CPU-sized shapes) at most this many stages: a 4-stage 128-row fp32
+# tile needs 304 KiB of shared memory, over Hopper's 227.
+WIDE_MAX_STAGES = 2
 # Pairs per expert (on average) from which the prefill tiles pay, and the large ones.
 PREFILL_PAIRS_PER_EXPERT = 32
 LARGE_PREFILL_PAIRS_PER_EXPERT = 128
@@ -179,6 +191,8 @@ def fused_moe(
     if tiles is None and uses_pair_path(t, gate_up, down):
         return _fused_moe_pairs(x, weights, ids, gate_up, down)
     tiles = tiles or step_tiles(n, num_experts)
+    if x.element_size() > 2 and tiles.num_stages > WIDE_MAX_STAGES:
+        tiles = replace(tiles, num_stages=WIDE_MAX_STAGES)
     a = align(ids, num_experts, tiles.block_m)
     x = x.contiguous()
     # fp32 weights are multiplied in fp32, not TF32 (Triton's default for fp32 dots).
@@ -194,13 +208,13 @@ def fused_moe(
     )  # fmt: skip
     pair_out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).contiguous()
-    grid, programs = _grid(a.max_tiles, triton.cdiv(hidden, tiles.block_n), tiles.persistent, x.device)
+    grid, programs = _grid(a.max_tiles, triton.cdiv(hidden, tiles.block_n), tiles.down_persistent(), x.device)
     _down_kernel[grid](
         act, down, pair_out, flat_weights, a.sorted_pairs, a.tile_expert, a.num_padded,
         n, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), down.stride(2), pair_out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
-        PERSISTENT=tiles.persistent, PROGRAMS=programs, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PERSISTENT=tiles.down_persistent(), PROGRAMS=programs, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return sum_over_k(pair_out.view(t, k, hidden))
 

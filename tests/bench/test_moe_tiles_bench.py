@@ -39,4 +39,6 @@ def test_parse_candidate() -> None:
         mt.parse_candidate("128w8s4")
     assert mt.parse_candidate("128x64x32w8s4p") == MoeTiles(block_m=128, block_n=64, block_k=32, num_warps=8,
                                                             num_stages=4, persistent=True)  # fmt: skip
+    down_only = mt.parse_candidate("128x64x32w8s4d")
+    assert down_only.persistent_down and not down_only.persistent and down_only.down_persistent()
     assert all(mt.tile_label(asdict(mt.parse_candidate(c))) == c for c in mt.CANDIDATES.split(","))

@@ -351,10 +351,13 @@ def test_persistent_kernels_give_the_tiles_own_bits(case: Case, tiles: MoeTiles)
     the skew) computes every tile the one-tile-a-program launch does, with the same sums."""
     x, weights, ids, gate_up, down = _inputs(case, torch.float32)
     persistent = replace(tiles, persistent=True)
+    one_a_program = replace(tiles, persistent=False, persistent_down=False)
     programs = triton_moe.persistent_programs(DEVICE)
     assert triton_moe._grid(50, 3, True, DEVICE) == ((programs,), programs) != triton_moe._grid(50, 3, False, DEVICE)
     out = _fused(x, weights, ids, gate_up, down, persistent)
-    assert torch.equal(out, _fused(x, weights, ids, gate_up, down, tiles))
+    assert torch.equal(out, _fused(x, weights, ids, gate_up, down, one_a_program))
+    down_only = replace(one_a_program, persistent_down=True)
+    assert torch.equal(_fused(x, weights, ids, gate_up, down, down_only), out)
     _assert_close(out, _oracle(x, weights, ids, gate_up, down), FP32_TOL)
 
 
