@@ -1048,7 +1048,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fidelity-head-shape", default="llama-3-8b", help="fidelity: the shape also run with the fp32 head")
     ap.add_argument("--moe-tile-candidates", default=None,
                     help="moe_tiles: tiles to try (BLOCK_MxBLOCK_NxBLOCK_KwWARPSsSTAGES, comma-separated)")
-    ap.add_argument("--attention-candidates", default="16w4s2,64w4s3,64w4s4,64w8s2",
+    ap.add_argument("--attention-candidates", default="64w4s1,64w4s2,16w4s2",
                     help="invariant_attention: other row tiles to try (rows w warps s stages)")
     ap.add_argument("--deterministic-extra", default=None, help="deterministic: more flags (CPU test runs)")
     ap.add_argument("--seed-line-shapes", type=lambda s: s.split(","), default=["qwen2.5-7b", "llama-3-8b"],
