@@ -22,8 +22,10 @@ from dataclasses import asdict
 
 import torch
 
+from siesta.attention import triton_kernels as kernels
 from siesta.attention import triton_tiles as tiling
 from siesta.attention.triton_attention import TritonAttention
+from siesta.bench import kernel_ir
 from siesta.bench.common import print_table, write_json
 from siesta.bench.invariant_attention import FP8_SCALE, decode_inputs
 from siesta.bench.kernel_timing import candidates_cli, time_call
@@ -82,7 +84,9 @@ def measure(batch: int, context: int, heads: tuple, q_dtype: torch.dtype, candid
     return row
 
 
-def run(device: torch.device, smoke: bool = False, candidates: list[tiling.Tiles] | None = None) -> dict:
+def run(device: torch.device, smoke: bool = False, candidates: list[tiling.Tiles] | None = None,
+        ir_path: str | None = None) -> dict:  # fmt: skip
+    """The cases, and what the decode kernel compiled to (``kernel_ir``; its TTGIR to ``ir_path``)."""
     heads, cases = (SMOKE_HEADS, SMOKE_CASES) if smoke else (HEADS, CASES)
     q_dtype = torch.float32 if smoke else torch.bfloat16
     rows = []
@@ -93,7 +97,8 @@ def run(device: torch.device, smoke: bool = False, candidates: list[tiling.Tiles
                         f"{c['us']:.1f}" for c in row["candidates"]))  # fmt: skip
         rows.append(row)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
-    return {"device": device_name, "heads": heads, "rows": rows}
+    compiled = kernel_ir.dump({"decode_split_kernel": kernels.decode_split_kernel}, ir_path)
+    return {"device": device_name, "heads": heads, "rows": rows, "compiled": compiled}
 
 
 def summary_rows(res: dict) -> list[list]:

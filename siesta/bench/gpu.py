@@ -16,6 +16,7 @@ import json
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -859,13 +860,20 @@ def moe_tiles(args: argparse.Namespace) -> dict[str, Any]:
     module = _moe_tiles()
     text = args.moe_tile_candidates or module.CANDIDATES
     candidates = [module.parse_candidate(c) for c in text.split(",") if c]
-    return module.run(torch.device(args.device or "cuda"), candidates=candidates)
+    return module.run(torch.device(args.device or "cuda"), candidates=candidates,
+                      ir_path=_beside_json(args, "invariant_attention_ttgir.txt"))
+
+
+def _beside_json(args: argparse.Namespace, name: str) -> str | None:
+    """A file in the JSON's folder (``$OUT`` on the GPU machine), or None without ``--json``."""
+    return str(Path(args.json).parent / name) if args.json else None
 
 
 def invariant_attention(args: argparse.Namespace) -> dict[str, Any]:
     module = _invariant_attention()
     candidates = [module.parse_candidate(c) for c in args.attention_candidates.split(",") if c]
-    return module.run(torch.device(args.device or "cuda"), candidates=candidates)
+    return module.run(torch.device(args.device or "cuda"), candidates=candidates,
+                      ir_path=_beside_json(args, "invariant_attention_ttgir.txt"))
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
@@ -893,7 +901,8 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "invariant_attention": invariant_attention,
     "backup_pinning": backup_pinning.run,
     "moe_tiles": moe_tiles,
-    "fp8_decode": lambda args: _fp8_decode().run(torch.device(args.device or "cuda")),
+    "fp8_decode": lambda args: _fp8_decode().run(torch.device(args.device or "cuda"),
+                                                 ir_path=_beside_json(args, "fp8_decode_ttgir.txt")),
 }
 # Run by name only: diagnostics; resume_http, which runs the resume section again beside the
 # server; tensor_parallel, which needs a host with several GPUs; invariant_matmul, deterministic

@@ -25,9 +25,11 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from siesta.attention import triton_kernels as kernels
 from siesta.attention import triton_tiles as tiling
 from siesta.attention.base import AttentionMetadata
 from siesta.attention.triton_attention import TritonAttention
+from siesta.bench import kernel_ir
 from siesta.bench.common import print_table, write_json
 from siesta.bench.kernel_timing import candidates_cli, time_call
 
@@ -118,7 +120,9 @@ def measure(heads: tuple, kv_name: str, batch: int, context: int, candidates: li
                torch.equal(outs["shipped"], outs["ref"]), tried)  # fmt: skip
 
 
-def run(device: torch.device, smoke: bool = False, candidates: list[tiling.Tiles] | None = None) -> dict:
+def run(device: torch.device, smoke: bool = False, candidates: list[tiling.Tiles] | None = None,
+        ir_path: str | None = None) -> dict:  # fmt: skip
+    """The cases, and what the two kernels compiled to (``kernel_ir``; their TTGIR to ``ir_path``)."""
     heads, cases, kv_dtypes = SMOKE if smoke else (HEADS, CASES, KV_DTYPES)
     rows = []
     for h in heads:
@@ -131,8 +135,10 @@ def run(device: torch.device, smoke: bool = False, candidates: list[tiling.Tiles
                                 f"{c['us']:.1f}{'' if c['bits_equal'] else ' (other bits)'}" for c in row.candidates))  # fmt: skip
                 rows.append(row)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    launched = {"unified_kernel": kernels.unified_kernel, "decode_split_kernel": kernels.decode_split_kernel}
+    compiled = kernel_ir.dump(launched, ir_path)
     return {"device": device_name, "rows": [asdict(r) for r in rows],
-            "all_shipped_bits_equal": all(r.shipped_bits_equal for r in rows)}  # fmt: skip
+            "all_shipped_bits_equal": all(r.shipped_bits_equal for r in rows), "compiled": compiled}  # fmt: skip
 
 
 def summary_rows(res: dict) -> list[list]:
