@@ -33,7 +33,8 @@ With ``MoeTiles.persistent`` each GEMM is instead one program an SM walking the 
 its sums. The down GEMM reduces over I = 768 only (12 chunks of 64), so a tile's prologue and
 epilogue weigh on it: on an H100 it ran at ~290 TFLOP/s where gate/up ran at ~530 (run 51b's
 profile). The persistent launch lets Triton pipeline one tile's loads under the last one's
-epilogue; it is a ``moe_tiles`` candidate until a GPU run measures it.
+epilogue; ``MoeTiles.persistent_down`` gives it to the down GEMM alone, which is what the large
+prefill tiles ship (``LARGE_PREFILL_TILES`` says why).
 
 Deterministic mode (``batch_invariant``): one tile set (``DETERMINISTIC_TILES``) whatever the
 step's size, so a pair's sums run over the same BLOCK_K chunks on the same MMA shape. Nothing
