@@ -860,8 +860,7 @@ def moe_tiles(args: argparse.Namespace) -> dict[str, Any]:
     module = _moe_tiles()
     text = args.moe_tile_candidates or module.CANDIDATES
     candidates = [module.parse_candidate(c) for c in text.split(",") if c]
-    return module.run(torch.device(args.device or "cuda"), candidates=candidates,
-                      ir_path=_beside_json(args, "invariant_attention_ttgir.txt"))
+    return module.run(torch.device(args.device or "cuda"), candidates=candidates)
 
 
 def _beside_json(args: argparse.Namespace, name: str) -> str | None:

@@ -31,3 +31,17 @@ def test_the_smoke_run_with_a_candidate_tile() -> None:
 def test_parse_candidate() -> None:
     assert fd.parse_candidate("128w4s3") == tiling.Tiles(block_m=tiling.MIN_DOT_DIM, block_n=128, num_warps=4,
                                                          num_stages=3)  # fmt: skip
+
+
+
+def test_the_gpu_benchs_section_runs_and_lists_what_compiled(monkeypatch, tmp_path) -> None:
+    """``bench gpu --sections fp8_decode`` runs the module and reports what compiled; smoke-sized
+    here, where the interpreter compiles nothing and no IR file is written beside the JSON."""
+    real_run = fd.run
+    # What the section passes goes to the real run unchanged; only the size is the smoke's.
+    monkeypatch.setattr(fd, "run", lambda device, **kwargs: real_run(device, smoke=True, **kwargs))
+    args = gpu.build_parser().parse_args(["--device", DEVICE.type, "--json", str(tmp_path / "gpu.json")])
+    res = gpu.SECTIONS["fp8_decode"](args)
+    assert [(r["batch"], r["context"]) for r in res["rows"]] == list(fd.SMOKE_CASES)
+    if DEVICE.type == "cpu":
+        assert res["compiled"] == [] and not (tmp_path / "fp8_decode_ttgir.txt").exists()

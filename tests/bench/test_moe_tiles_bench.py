@@ -42,3 +42,14 @@ def test_parse_candidate() -> None:
     down_only = mt.parse_candidate("128x64x32w8s4d")
     assert down_only.persistent_down and not down_only.persistent and down_only.down_persistent()
     assert all(mt.tile_label(asdict(mt.parse_candidate(c))) == c for c in mt.CANDIDATES.split(","))
+
+
+def test_the_gpu_benchs_section_runs_its_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench gpu --sections moe_tiles`` calls the module as its own main does (smoke-sized here)."""
+    monkeypatch.setattr(mt, "SHAPE", mt.SMOKE_SHAPE)
+    monkeypatch.setattr(mt, "TOKENS", mt.SMOKE_TOKENS[:1])
+    args = gpu.build_parser().parse_args(["--device", DEVICE.type, "--moe-tile-candidates", "16x32x32w4s2"])
+    res = gpu.SECTIONS["moe_tiles"](args)
+    (row,) = res["rows"]
+    (cand,) = row["candidates"]
+    assert cand["tiles"] == asdict(mt.parse_candidate("16x32x32w4s2")) and cand["agrees"]
