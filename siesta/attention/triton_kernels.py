@@ -41,6 +41,22 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _table_blocks(table_row_ptr, key_pos, key_mask, PAGE_SIZE: tl.constexpr, MASK_KEYS: tl.constexpr):
+    """The cache block holding each of keys ``key_pos``, read from the request's block-table row."""
+    if MASK_KEYS:
+        return tl.load(table_row_ptr + key_pos // PAGE_SIZE, mask=key_mask, other=0)
+    return tl.load(table_row_ptr + key_pos // PAGE_SIZE)
+
+
+@triton.jit
+def _block_offsets(block, key_pos, kv_head, offs_d, stride_block, stride_slot, stride_head, PAGE_SIZE: tl.constexpr):
+    """Element offsets ``[BLOCK_N, BLOCK_D]`` of keys ``key_pos`` of one KV head, held in cache blocks ``block``."""
+    # int64: block index times block stride overflows 32 bits on large caches.
+    row = block.to(tl.int64) * stride_block + (key_pos % PAGE_SIZE) * stride_slot + kv_head * stride_head
+    return row[:, None] + offs_d[None, :]
+
+
+@triton.jit
 def _kv_offsets(
     table_row_ptr,
     key_pos,
@@ -54,13 +70,8 @@ def _kv_offsets(
     MASK_KEYS: tl.constexpr,
 ):
     """Element offsets ``[BLOCK_N, BLOCK_D]`` of keys ``key_pos`` of one KV head, through the block table."""
-    if MASK_KEYS:
-        block = tl.load(table_row_ptr + key_pos // PAGE_SIZE, mask=key_mask, other=0)
-    else:
-        block = tl.load(table_row_ptr + key_pos // PAGE_SIZE)
-    # int64: block index times block stride overflows 32 bits on large caches.
-    row = block.to(tl.int64) * stride_block + (key_pos % PAGE_SIZE) * stride_slot + kv_head * stride_head
-    return row[:, None] + offs_d[None, :]
+    block = _table_blocks(table_row_ptr, key_pos, key_mask, PAGE_SIZE, MASK_KEYS)
+    return _block_offsets(block, key_pos, kv_head, offs_d, stride_block, stride_slot, stride_head, PAGE_SIZE)
 
 
 @triton.jit
@@ -162,12 +173,17 @@ def _decode_range(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    # Each step reads the next step's block-table entries, so a K/V tile's address does not wait on
+    # a load of its own step. Triton's pipeliner then gives the K/V copies num_stages - 1 buffers
+    # and keeps the next tile in flight over this one's products; with the table read inside the
+    # step it gave them one buffer, copied after the products and awaited at once (TTGIR, Triton
+    # 3.6 and 3.9, sm_90): no overlap within a program at any num_stages.
+    block = _table_blocks(table_row_ptr, key_start + offs_n, key_start + offs_n < key_end, PAGE_SIZE, True)
     for start in range(key_start, key_end, BLOCK_N):
         key_pos = start + offs_n
         key_mask = key_pos < key_end
-        offsets = _kv_offsets(
-            table_row_ptr, key_pos, kv_head, offs_d, key_mask, stride_block, stride_slot, stride_head, PAGE_SIZE, True
-        )
+        offsets = _block_offsets(block, key_pos, kv_head, offs_d, stride_block, stride_slot, stride_head, PAGE_SIZE)
+        block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_end, PAGE_SIZE, True)
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, key_mask, d_mask, key_mask[None, :],
             acc, m_i, l_i, scale_log2, k_scale, v_scale, True, HEAD_DIM == BLOCK_D, DOT_PRECISION, KV_FP8,

@@ -900,8 +900,9 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "invariant_attention": invariant_attention,
     "backup_pinning": backup_pinning.run,
     "moe_tiles": moe_tiles,
-    "fp8_decode": lambda args: _fp8_decode().run(torch.device(args.device or "cuda"),
-                                                 ir_path=_beside_json(args, "fp8_decode_ttgir.txt")),
+    "fp8_decode": lambda args: _fp8_decode().run(
+        torch.device(args.device or "cuda"), ir_path=_beside_json(args, "fp8_decode_ttgir.txt"),
+        candidates=[_fp8_decode().parse_candidate(c) for c in args.decode_candidates.split(",") if c]),
 }
 # Run by name only: diagnostics; resume_http, which runs the resume section again beside the
 # server; tensor_parallel, which needs a host with several GPUs; invariant_matmul, deterministic
@@ -1058,6 +1059,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="moe_tiles: tiles to try (BLOCK_MxBLOCK_NxBLOCK_KwWARPSsSTAGES, comma-separated)")
     ap.add_argument("--attention-candidates", default="64w4s1,64w4s2,16w4s2",
                     help="invariant_attention: other row tiles to try (rows w warps s stages)")
+    ap.add_argument("--decode-candidates", default="128w4s2,128w4s4,64w4s2,64w4s4",
+                    help="fp8_decode: decode tiles both caches also try (keys w warps s stages)")
     ap.add_argument("--deterministic-extra", default=None, help="deterministic: more flags (CPU test runs)")
     ap.add_argument("--seed-line-shapes", type=lambda s: s.split(","), default=["qwen2.5-7b", "llama-3-8b"],
                     help="seed_line: the random shapes served as $MODEL, one server each")

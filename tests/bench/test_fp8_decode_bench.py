@@ -23,6 +23,8 @@ def test_the_smoke_run_with_a_candidate_tile() -> None:
     assert row["half"]["us"] > 0 and row["fp8"]["us"] > 0 and row["fp8_over_half"] > 0
     (cand,) = row["candidates"]
     assert cand["agrees"] and cand["us"] > 0
+    (half,) = row["half_candidates"]
+    assert half["agrees"] and half["us"] > 0
     (summary,) = fd.summary_rows(res)
     assert summary[0] == f"fp8 KV decode / bf16, b{row['batch']} ctx {row['context']}"
     assert summary in gpu.summary({"fp8_decode": res})
@@ -40,8 +42,11 @@ def test_the_gpu_benchs_section_runs_and_lists_what_compiled(monkeypatch, tmp_pa
     real_run = fd.run
     # What the section passes goes to the real run unchanged; only the size is the smoke's.
     monkeypatch.setattr(fd, "run", lambda device, **kwargs: real_run(device, smoke=True, **kwargs))
-    args = gpu.build_parser().parse_args(["--device", DEVICE.type, "--json", str(tmp_path / "gpu.json")])
+    args = gpu.build_parser().parse_args(["--device", DEVICE.type, "--json", str(tmp_path / "gpu.json"),
+                                          "--decode-candidates", "32w4s2"])  # fmt: skip
     res = gpu.SECTIONS["fp8_decode"](args)
     assert [(r["batch"], r["context"]) for r in res["rows"]] == list(fd.SMOKE_CASES)
+    (row,) = res["rows"]
+    assert [c["tiles"]["block_n"] for c in row["candidates"] + row["half_candidates"]] == [32, 32]
     if DEVICE.type == "cpu":
         assert res["compiled"] == [] and not (tmp_path / "fp8_decode_ttgir.txt").exists()
