@@ -49,14 +49,20 @@ WIDE_PREFILL_TILES: dict[int, Tiles] = {
 }
 # Decode tiles are bandwidth tiles: few query rows, long key steps so enough
 # bytes are in flight per program.
+# 128-wide heads over bf16 take two stages, one K/V buffer: H100 run 53a (``python -m
+# siesta.bench.fp8_decode``) timed three stages (two buffers, the next tile in flight) 1.00-1.10x
+# slower from batch 1 at 32k keys to batch 256 at 512; the loads in flight of other programs on the
+# SM hide as much, and one buffer leaves room for more programs.
 DECODE_TILES: dict[int, Tiles] = {
     64: Tiles(block_m=MIN_DOT_DIM, block_n=128, num_warps=4, num_stages=3),
-    128: Tiles(block_m=MIN_DOT_DIM, block_n=64, num_warps=4, num_stages=3),
+    128: Tiles(block_m=MIN_DOT_DIM, block_n=64, num_warps=4, num_stages=2),
     256: Tiles(block_m=MIN_DOT_DIM, block_n=32, num_warps=4, num_stages=3),
 }
 # Over an fp8 cache a key step of the bf16 tiles holds half the bytes: 128 keys a step for
 # 128-wide heads (H100 run 51g, ``python -m siesta.bench.fp8_decode``: 0.87-0.92x the 64-key
 # step's time from batch 1 at 32k keys to batch 256 at 512; 8 warps or 256 keys were slower).
+# Three stages: run 53a, the next tile in flight, 0.84x two stages' time at batch 16 over 19.5k
+# keys (the seed's resume), 0.93x at batch 1, 1.02-1.08x at batch 64 and 256; four were slower.
 FP8_DECODE_TILES: dict[int, Tiles] = {
     **DECODE_TILES,
     128: Tiles(block_m=MIN_DOT_DIM, block_n=128, num_warps=4, num_stages=3),
