@@ -3,6 +3,10 @@ kernel (the CPU compiles none), and nothing from an interpreted function."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,3 +48,37 @@ def test_an_interpreted_function_compiled_nothing_and_writes_no_file(tmp_path: P
         pytest.skip("compiled Triton: this test is for the interpreter (TRITON_INTERPRET=1)")
     assert kernel_ir.dump({"decode": triton_kernels.decode_split_kernel}, tmp_path / "ir.txt") == []
     assert not (tmp_path / "ir.txt").exists()
+
+
+def test_the_shipped_attention_tiles_as_a_hopper_card_compiles_them() -> None:
+    """Compiled here for sm_90 (Triton's own LLVM and ptxas; in a subprocess, as the suite runs
+    Triton's interpreter): every attention tile the engine ships fits the shared memory a Hopper
+    block may have, and the split-KV decode on three stages keeps the next K/V tile in flight
+    (two buffers, a wait that leaves copies outstanding), which it did not while each step read
+    its own block-table entries."""
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend to compile with")
+    done = subprocess.run([sys.executable, "-m", "siesta.bench.kernel_ir", "--json", "-"], capture_output=True,
+                          text=True, timeout=900, env=os.environ | {"TRITON_INTERPRET": "0"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(done.stdout.splitlines()[-1])}
+    kinds = ("decode", "invariant_decode", "crowded_invariant_decode", "prefill_split", "unified")
+    assert set(rows) == {f"{k}_{c}" for k in kinds for c in ("bf16", "fp8")} | {
+        f"{k}_fp32" for k in ("decode", "prefill_split", "unified")}
+    for name, row in rows.items():
+        assert 0 < row["shared"] <= kernel_ir.HOPPER_SHARED_BYTES, name
+    assert rows["decode_fp8"]["num_stages"] == 3
+    assert rows["decode_fp8"]["tile_buffers"] == 2 and rows["decode_fp8"]["in_flight_waits"] >= 1
+    assert rows["decode_bf16"]["tile_buffers"] == 1 and rows["decode_bf16"]["in_flight_waits"] == 0
+    assert rows["decode_fp8"]["mma_v2_layouts"] and rows["prefill_split_bf16"]["wgmma_dots"]
+
+
+def test_compile_for_refuses_an_interpreted_function() -> None:
+    from siesta.attention import triton_kernels
+
+    if hasattr(triton_kernels.decode_split_kernel, "cache_key"):
+        pytest.skip("compiled Triton: this test is for the interpreter (TRITON_INTERPRET=1)")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=0"):
+        kernel_ir.compile_for(triton_kernels.decode_split_kernel, {}, {}, num_warps=4, num_stages=2)
