@@ -169,27 +169,29 @@ def config_folder(config: PretrainedConfig, into: Path) -> str:
 def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int, batch: int, engine_dtype: str,
               kv_cache_bytes: int, checkpoint: bool = False, head_fp32: bool = False,
               served: PretrainedConfig | None = None, engine_kw: dict[str, Any] | None = None,
-              probe=None) -> dict[str, Any]:  # fmt: skip
+              probe=None, decode_tokens: int = DECODE_TOKENS) -> dict[str, Any]:  # fmt: skip
     """One architecture: the trainer's weights pushed into a fresh engine (and, with ``checkpoint``,
     loaded from a saved checkpoint), scored at batch 1 and at ``batch`` against the trainer.
     ``served``: the config the engine serves, when it is not the trainer's (to show a mismatch).
-    ``probe(llm)``: more measurements of the pushed engine (a dict), after its scores."""
+    ``probe(llm)``: more measurements of the pushed engine (a dict), after its scores.
+    ``decode_tokens``: each request's greedy tokens; the long prompt's bucket holds that many
+    decoded positions, so its maximum (the engine's and the floor's) is over that many samples."""
     from siesta import LLM
 
     t0 = time.perf_counter()
     trainer = trainer_model(config, device)
     prompts = batch_prompts(long_len, batch, config.vocab_size)
     kw = {"dtype": engine_dtype, "device": device, "kv_cache_bytes": kv_cache_bytes, "enable_sleep_mode": False,
-          "max_model_len": long_len + 2 * DECODE_TOKENS} | (engine_kw or {})  # fmt: skip
+          "max_model_len": long_len + 2 * decode_tokens} | (engine_kw or {})  # fmt: skip
     if head_fp32:
         kw["head_dtype"] = "float32"
     runs: dict[str, list[Scored]] = {}
     with tempfile.TemporaryDirectory(prefix="siesta-fidelity-") as tmp:
         llm = LLM(config_folder(served or config, Path(tmp) / "config"), **kw)
         llm.update_weights(trainer.state_dict())  # the trainer's push: its tensors, its names
-        runs["push_batch1"] = engine_scores(llm, prompts[:1])
+        runs["push_batch1"] = engine_scores(llm, prompts[:1], decode_tokens)
         if batch > 1:
-            runs[f"push_batch{batch}"] = engine_scores(llm, prompts)
+            runs[f"push_batch{batch}"] = engine_scores(llm, prompts, decode_tokens)
         probed = probe(llm) if probe is not None else None
         del llm
         release_memory()
@@ -198,7 +200,7 @@ def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int
             # The trainer's weights as it would save them, the trainer itself left in fp32.
             trainer.save_pretrained(Path(tmp) / "ckpt", state_dict={k: v.to(saved) for k, v in trainer.state_dict().items()})
             llm = LLM(str(Path(tmp) / "ckpt"), **kw)
-            runs["checkpoint_batch1"] = engine_scores(llm, prompts[:1])
+            runs["checkpoint_batch1"] = engine_scores(llm, prompts[:1], decode_tokens)
             del llm
             release_memory()
     engine_s = time.perf_counter() - t0
@@ -212,7 +214,8 @@ def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int
     del twin
     release_memory()
     out: dict[str, Any] = {"shape": name, "long_prompt": long_len, "engine_dtype": engine_dtype, "head_fp32": head_fp32,
-                           "engine_s": engine_s, "total_s": time.perf_counter() - t0}  # fmt: skip
+                           "decode_tokens": decode_tokens, "engine_s": engine_s,
+                           "total_s": time.perf_counter() - t0}  # fmt: skip
     if probed is not None:
         out["probe"] = probed
     for run, scored in runs.items():

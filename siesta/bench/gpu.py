@@ -378,8 +378,9 @@ def fidelity(args: argparse.Namespace) -> dict[str, Any]:
 
     for shape in args.fidelity_shapes:
         config = RANDOM_SHAPES[shape].config()
-        long_len = min(args.fidelity_tokens, config.max_position_embeddings) - 2 * oracle.DECODE_TOKENS
-        common = {"device": device, "long_len": long_len, "engine_dtype": "bfloat16", "kv_cache_bytes": args.fidelity_kv_bytes}
+        long_len = min(args.fidelity_tokens, config.max_position_embeddings) - 2 * args.fidelity_decode_tokens
+        common = {"device": device, "long_len": long_len, "engine_dtype": "bfloat16", "kv_cache_bytes": args.fidelity_kv_bytes,
+                  "decode_tokens": args.fidelity_decode_tokens}  # fmt: skip
         head = shape == args.fidelity_head_shape
         out[shape] = oracle.run_shape(shape, config, batch=args.fidelity_batch, checkpoint=shape == args.fidelity_checkpoint,
                                       probe=decode_cost if head else None, **common)  # fmt: skip
@@ -1052,6 +1053,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fidelity-shapes", type=lambda s: s.split(","), default=list(FIDELITY_SHAPES))
     ap.add_argument("--fidelity-tokens", type=int, default=32768, help="fidelity: the long prompt's positions")
     ap.add_argument("--fidelity-batch", type=int, default=64)
+    # 64: the long prompt's decode bucket then holds 63 positions, not 15 (run 46b's Qwen3 batch-64
+    # decode buckets of 12-16 positions read 1.95x and 1.5x a floor that was itself a max of a dozen).
+    ap.add_argument("--fidelity-decode-tokens", type=int, default=64, help="fidelity: greedy tokens a request")
     ap.add_argument("--fidelity-checkpoint", default="qwen2.5-0.5b", help="fidelity: the shape also loaded from disk")
     ap.add_argument("--fidelity-kv-bytes", type=int, default=FIDELITY_KV_BYTES)
     ap.add_argument("--fidelity-head-shape", default="llama-3-8b", help="fidelity: the shape also run with the fp32 head")

@@ -71,10 +71,13 @@ def test_the_gpu_section_runs_on_the_cpu_in_small():
     args = gpu.build_parser().parse_args([])
     small = {"device": "cpu", "fidelity_shapes": ["tiny-qwen3", "tiny-qwen2"], "fidelity_tokens": 256,
              "fidelity_batch": 3, "fidelity_checkpoint": "tiny-qwen2", "fidelity_kv_bytes": 1 << 24,
-             "fidelity_head_shape": "tiny-qwen3",
+             "fidelity_head_shape": "tiny-qwen3", "fidelity_decode_tokens": 6,
              "decode_context": 32, "decode_steps": 2}  # fmt: skip
     out = gpu.fidelity(argparse.Namespace(**(vars(args) | small)))
     assert set(out) == {"tiny-qwen3", "tiny-qwen3+fp32_head", "tiny-qwen2"}
+    # The long prompt leaves room for its decoded tokens, and each of them is scored.
+    assert out["tiny-qwen3"]["long_prompt"] == 256 - 2 * 6 and out["tiny-qwen3"]["decode_tokens"] == 6
+    assert sum(c["positions"] for c in out["tiny-qwen3"]["push_batch1"]["buckets"]["decode"].values()) == 6
     assert set(out["tiny-qwen3"]["probe"]) == {"decode_b1_step_ms", "decode_b64_step_ms"}
     assert out["tiny-qwen2"]["push_equals_checkpoint"] is not None
     rows = gpu.summary({"fidelity": out})
