@@ -50,7 +50,7 @@ WIDE_PREFILL_TILES: dict[int, Tiles] = {
 # Decode tiles are bandwidth tiles: few query rows, long key steps so enough
 # bytes are in flight per program.
 # 128-wide heads over bf16 take two stages, one K/V buffer: H100 run 53a (``python -m
-# siesta.bench.fp8_decode``) timed three stages (two buffers, the next tile in flight) 1.00-1.10x
+# siesta.bench.fp8_decode``) timed three stages (two buffers, the next tile in flight) 1.01-1.10x
 # slower from batch 1 at 32k keys to batch 256 at 512; the loads in flight of other programs on the
 # SM hide as much, and one buffer leaves room for more programs.
 DECODE_TILES: dict[int, Tiles] = {
