@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from siesta import fidelity_report
+
 PREFIX = "siesta_"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -107,6 +109,12 @@ SPECS: dict[str, MetricSpec] = {
         MetricSpec("weight_version_info", "gauge", "1, labelled with the current weight version: the only series "
                    "(earlier versions' are removed, or an RL run's pushes would grow /metrics without bound).",
                    ("version",)),
+        MetricSpec("logprob_floor_ratio", "gauge", "The last logprob-oracle run (siesta.bench.fidelity) on this "
+                   "engine's architecture and arithmetic: in a bucket of positions, the largest |logprob - the "
+                   "trainer's fp32 logprob| over the trainer's own bf16 error there. No series until a run matches.",
+                   ("run", "kind", "bucket")),
+        MetricSpec("logprob_floor_ratio_worst", "gauge", "The largest logprob_floor_ratio of each run of that report.",
+                   ("run",)),
         MetricSpec("engine_step_seconds", "histogram",
                    "Wall time of one engine-core step: the longest a control call waits before it is handled.",
                    buckets=_STEP_BUCKETS),
@@ -245,6 +253,8 @@ class MetricsRegistry:
         self.model_name = model_name
         self._vllm_written = False
         self._declare_vllm_series()
+        self._fidelity_key = ""
+        self._fidelity_stamp: float | None = None  # the served report's mtime
 
     def set_model_name(self, model_name: str) -> None:
         """Label the vllm: series with the served model name; refused once they hold data
@@ -259,6 +269,36 @@ class MetricsRegistry:
                 m.clear()
         self.model_name = model_name
         self._declare_vllm_series()
+
+    def serve_fidelity(self, numerics_key: str) -> None:
+        """Serve the logprob oracle's last report for ``numerics_key`` (``siesta.fidelity_report``),
+        read again whenever the metrics are read and the report has changed."""
+        self._fidelity_key = numerics_key
+        self._fidelity_stamp = None
+        self._refresh_fidelity()
+
+    def _refresh_fidelity(self) -> None:
+        if not self._fidelity_key:
+            return
+        try:
+            stamp = fidelity_report.report_path(self._fidelity_key).stat().st_mtime
+        except OSError:
+            return
+        if stamp == self._fidelity_stamp:
+            return
+        report = fidelity_report.load(self._fidelity_key)
+        if report is None:
+            return
+        self._fidelity_stamp = stamp
+        ratio, worst = self._metrics["logprob_floor_ratio"], self._metrics["logprob_floor_ratio_worst"]
+        ratio.clear()
+        worst.clear()
+        worst_of: dict[str, float] = {}
+        for labels, value in fidelity_report.floor_ratios(report):
+            ratio.labels(**labels).set(value)
+            worst_of[labels["run"]] = max(value, worst_of.get(labels["run"], value))
+        for run, value in worst_of.items():
+            worst.labels(run=run).set(value)
 
     def _declare_vllm_series(self) -> None:
         """Every vllm: series exists from the start, at zero, as vLLM creates them."""
@@ -312,6 +352,7 @@ class MetricsRegistry:
 
     def as_dict(self) -> dict[str, float]:
         """Sample name (with labels, Prometheus style) -> value; ``_created`` timestamps left out."""
+        self._refresh_fidelity()
         out: dict[str, float] = {}
         for family in self.registry.collect():
             for sample in family.samples:
@@ -322,4 +363,5 @@ class MetricsRegistry:
         return out
 
     def exposition(self) -> bytes:
+        self._refresh_fidelity()
         return generate_latest(self.registry)

@@ -188,6 +188,7 @@ def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int
     runs: dict[str, list[Scored]] = {}
     with tempfile.TemporaryDirectory(prefix="siesta-fidelity-") as tmp:
         llm = LLM(config_folder(served or config, Path(tmp) / "config"), **kw)
+        numerics_key = llm.engine.numerics_key  # where /metrics finds this report (siesta.fidelity_report)
         llm.update_weights(trainer.state_dict())  # the trainer's push: its tensors, its names
         runs["push_batch1"] = engine_scores(llm, prompts[:1], decode_tokens)
         if batch > 1:
@@ -214,7 +215,7 @@ def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int
     del twin
     release_memory()
     out: dict[str, Any] = {"shape": name, "long_prompt": long_len, "engine_dtype": engine_dtype, "head_fp32": head_fp32,
-                           "decode_tokens": decode_tokens, "engine_s": engine_s,
+                           "decode_tokens": decode_tokens, "numerics_key": numerics_key, "engine_s": engine_s,
                            "total_s": time.perf_counter() - t0}  # fmt: skip
     if probed is not None:
         out["probe"] = probed

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from siesta import fidelity_report
 from siesta.bench import backup_pinning
 from siesta.bench import fp8 as fp8_bench
 from siesta.bench import moe as moe_bench
@@ -386,6 +387,9 @@ def fidelity(args: argparse.Namespace) -> dict[str, Any]:
                                       probe=decode_cost if head else None, **common)  # fmt: skip
         if head:  # the fp32 head: its floor ratio, and what it costs a decode step
             out[f"{shape}+fp32_head"] = oracle.run_shape(shape, config, batch=1, head_fp32=True, probe=decode_cost, **common)
+        for name in (shape, f"{shape}+fp32_head"):  # the last report of each numerics, for /metrics
+            if name in out:
+                fidelity_report.save(out[name]["numerics_key"], out[name])
         if args.json:  # each shape as it is done: a run cut short keeps what it measured
             with open(f"{args.json}.fidelity.json", "w") as f:
                 f.write(oracle.dumps(out))

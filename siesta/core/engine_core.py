@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from siesta import fidelity_report
 from siesta.config import ConfigError, EngineConfig
 from siesta.control import ConnectorRetentionError, EngineStateError, OneCallResult, RequestRejected, init_info_of
 from siesta.core.admission import Admission, RequestLimits, versioned
@@ -116,6 +117,15 @@ class EngineCore:
     def weight_version(self) -> str:
         """The name outputs report for the weights serving now."""
         return self.versions.name
+
+    @property
+    def numerics_key(self) -> str:
+        """The logprob oracle's key of this engine: its architecture and how it computes
+        (``siesta.fidelity_report``); the oracle's last report under it is what /metrics serves."""
+        return fidelity_report.numerics_key(
+            self.source.hf_config, device=self.runner.device.type, dtype=str(self.runner.dtype),
+            kv_cache_dtype=str(self.runner.kv_dtype), head_fp32=self.config.model.head_fp32,
+            deterministic=self.config.deterministic)
 
     @property
     def kv_version(self) -> str:

@@ -30,6 +30,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.source.load_tokenizer()
         self.metrics = MetricsRegistry(model_name=self.engine.source.name)  # the name a server would serve it as
+        self.metrics.serve_fidelity(self.engine.numerics_key)
         self.processor = OutputProcessor(self.tokenizer, self.metrics)
         self._ids = itertools.count()
         # Requests not yet handed back: parent id -> child ids (n > 1), and the reverse.

@@ -206,4 +206,5 @@ def engine_info(engine: Any) -> EngineInfo:
         pid=os.getpid(),
         retains_tier=engine.connector is None or engine.connector.supports_retained_cache_on_pause,
         records_routing=engine.runner.routed is not None,
+        numerics_key=engine.numerics_key,
     )

@@ -210,6 +210,8 @@ class EngineInfo(msgspec.Struct, omit_defaults=True):
     # Whether the engine records the experts tokens are routed to (enable_return_routed_experts):
     # vLLM's routes then return them with every answer.
     records_routing: bool = False
+    # The logprob oracle's key of the engine (``siesta.fidelity_report``): /metrics serves its report.
+    numerics_key: str = ""
 
 
 class RemoteError(msgspec.Struct, omit_defaults=True):

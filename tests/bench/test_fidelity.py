@@ -63,11 +63,14 @@ def test_buckets_report_the_worst_error_and_its_ratio_to_the_floor():
     assert report["decode"]["1-64"] == {"siesta": 0.25, "floor": 0.25, "ratio": 1.0, "positions": 2}
 
 
-def test_the_gpu_section_runs_on_the_cpu_in_small():
+def test_the_gpu_section_runs_on_the_cpu_in_small(tmp_path, monkeypatch):
     import argparse
 
+    from siesta import fidelity_report
     from siesta.bench import gpu
+    from siesta.cache_dir import CACHE_DIR_ENV
 
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))  # where the section keeps each report for /metrics
     args = gpu.build_parser().parse_args([])
     small = {"device": "cpu", "fidelity_shapes": ["tiny-qwen3", "tiny-qwen2"], "fidelity_tokens": 256,
              "fidelity_batch": 3, "fidelity_checkpoint": "tiny-qwen2", "fidelity_kv_bytes": 1 << 24,
@@ -78,6 +81,11 @@ def test_the_gpu_section_runs_on_the_cpu_in_small():
     # The long prompt leaves room for its decoded tokens, and each of them is scored.
     assert out["tiny-qwen3"]["long_prompt"] == 256 - 2 * 6 and out["tiny-qwen3"]["decode_tokens"] == 6
     assert sum(c["positions"] for c in out["tiny-qwen3"]["push_batch1"]["buckets"]["decode"].values()) == 6
+    # Each shape's report is kept under its engine's numerics; the fp32 head computes otherwise.
+    keys = {name: out[name]["numerics_key"] for name in out}
+    assert len(set(keys.values())) == 3
+    for name, key in keys.items():
+        assert fidelity_report.load(key)["push_batch1"]["worst_ratio"] == out[name]["push_batch1"]["worst_ratio"]
     assert set(out["tiny-qwen3"]["probe"]) == {"decode_b1_step_ms", "decode_b64_step_ms"}
     assert out["tiny-qwen2"]["push_equals_checkpoint"] is not None
     rows = gpu.summary({"fidelity": out})

@@ -54,6 +54,7 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
         limit = await asyncio.to_thread(PromptLimit.of, tokenizer, core.info.max_model_len)
         app.state.siesta = ServerState(config, core, AsyncLLM(core, tokenizer), limit)
         core.metrics.set_model_name(app.state.siesta.model_names[0])  # vLLM's model_name label: the served name
+        core.metrics.serve_fidelity(core.info.numerics_key)
         try:
             yield
         finally:
