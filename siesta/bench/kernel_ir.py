@@ -95,13 +95,13 @@ def compile_for(fn: Any, arg_types: Mapping[str, str], constexprs: Mapping[str, 
 
     if not hasattr(fn, "cache_key"):
         raise RuntimeError("an interpreted function compiles nothing: run with TRITON_INTERPRET=0")
-    params = list(inspect.signature(fn.fn).parameters.items())
+    params = inspect.signature(fn.fn).parameters
     consts = dict(constexprs)
-    for name, param in params:  # constexprs left at their defaults
+    for name, param in params.items():  # constexprs left at their defaults
         if name not in consts and name not in arg_types and param.default is not inspect.Parameter.empty:
             consts[name] = param.default
-    signature = {name: "constexpr" if name in consts else arg_types[name] for name, _ in params}
-    names = [name for name, _ in params]
+    signature = {name: "constexpr" if name in consts else arg_types[name] for name in params}
+    names = list(params)
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = ASTSource(fn, signature, constexprs=consts, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32),
@@ -138,8 +138,8 @@ def _attention_arg_types(fn: Any, kv: str, q: str) -> tuple[dict[str, str], tupl
             types[name] = "fp32"
         else:
             types[name] = "i32"
-    # As a launch specializes them; the launchers' do_not_specialize arguments are left out.
-    unspecialized = set(getattr(fn, "do_not_specialize", ())) | {"stride_table"}
+    # As a launch specializes them; the kernel's do_not_specialize arguments are left out.
+    unspecialized = set(fn.do_not_specialize)
     aligned = tuple(n for n in types if (n.endswith("_ptr") or n.startswith("stride")) and n not in unspecialized)
     return types, aligned
 
@@ -188,15 +188,12 @@ def compile_attention(arch: int = 90, head_dim: int = 128) -> list[dict[str, Any
     rows = []
     for v in attention_variants(head_dim):
         types, aligned = _attention_arg_types(v["fn"], v["kv"], v["q"])
-        types = {k: t for k, t in types.items() if k not in v["constexprs"]}
         tiles = v["tiles"]
         kernel = compile_for(v["fn"], types, v["constexprs"], num_warps=tiles.num_warps,
                              num_stages=tiles.num_stages, arch=arch, aligned=aligned)  # fmt: skip
         ttgir = _ttgir(kernel)
-        rows.append({"variant": v["label"], "num_warps": tiles.num_warps, "num_stages": tiles.num_stages,
-                     "shared": kernel.metadata.shared, "tile_buffers": tile_buffers(ttgir),
-                     "in_flight_waits": in_flight_waits(ttgir)}
-                    | {name: ttgir.count(text) for name, text in MARKERS.items()})  # fmt: skip
+        rows.append({"variant": v["label"]} | describe(kernel)
+                    | {"tile_buffers": tile_buffers(ttgir), "in_flight_waits": in_flight_waits(ttgir)})
     return rows
 
 

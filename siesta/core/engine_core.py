@@ -13,6 +13,7 @@ flight (invariant 10), then runs the parts' moves in the order the verb needs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -118,7 +119,7 @@ class EngineCore:
         """The name outputs report for the weights serving now."""
         return self.versions.name
 
-    @property
+    @functools.cached_property
     def numerics_key(self) -> str:
         """The logprob oracle's key of this engine: its architecture and how it computes
         (``siesta.fidelity_report``); the oracle's last report under it is what /metrics serves."""
