@@ -1095,7 +1095,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-check-layers", type=int, default=4, help="moe: its layers (fp32 transformers must fit)")
     ap.add_argument("--moe-check-tokens", type=int, default=4096)
     ap.add_argument("--moe-parts", type=lambda s: s.split(","),
-                    default=["sorted_small_batches", "fidelity", "resume", "weight_transfer"],
+                    default=["sorted_small_batches", "library_prefill", "fidelity", "resume", "weight_transfer"],
                     help="moe: what runs after decode and prefill")
     ap.add_argument("--link-gbps", type=float, default=DEFAULT_LINK_GBPS, help="host-to-device GB/s of the resume floor")
     ap.add_argument("--transfer-blocks", type=int, default=2048)

@@ -12,6 +12,7 @@ random weights, bf16) as the dense sections measure the 8B.
   layers (transformers in fp32 holds the whole 30B in 122 GB); the router's top-k agreement;
 - sorted_small_batches: decode at batch 1 (and 2) again on an engine whose experts always sort,
   against the per-pair kernels that serve those batches;
+- library_prefill: the prefill again with its experts on torch's grouped GEMM (``grouped_mm_moe``);
 - resume: the seed's experiment (kept tier against cleared) on this model;
 - weight push: CUDA IPC from a trainer process (``weight_transfer``), GB/s against a device copy.
 """
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, step in (("sorted_small_batches", lambda: _sorted_small_batches(args, base, out["decode"])),
                        ("fidelity", lambda: fidelity(args.moe_check_shape, args.moe_check_layers,
                                                       args.moe_check_tokens, device)),
+                       ("library_prefill", lambda: _library_prefill(args, base, out["prefill"])),
                        ("resume", lambda: _resume(args)), ("weight_transfer", lambda: _push(args))):  # fmt: skip
         if name in args.moe_parts:
             run_part(out, "moe", name, step)
@@ -165,6 +167,26 @@ def _sorted_small_batches(args: argparse.Namespace, base: dict[str, Any], pairs:
         with_pairs = pairs.get(f"batch{b}", {}).get("tok_s")
         if with_pairs:
             out[f"batch{b}"]["pair_kernels_speedup"] = with_pairs / out[f"batch{b}"]["tok_s"]
+    return out
+
+
+def _library_prefill(args: argparse.Namespace, base: dict[str, Any], fused: dict[str, Any]) -> dict[str, Any]:
+    """The same prefill on an engine whose large steps run the experts on torch's grouped GEMM
+    (``triton_moe.LIBRARY_MIN_PAIRS``): the A/B of the fused kernels against the library's."""
+    from siesta import LLM
+    from siesta.model import triton_moe
+
+    saved = triton_moe.LIBRARY_MIN_PAIRS
+    llm = LLM(args.moe_model, **base, gpu_memory_utilization=0.85, max_num_batched_tokens=args.moe_prefill_tokens)
+    try:
+        # Set after the engine captured its graphs, for the timed step's size: those stay fused.
+        triton_moe.LIBRARY_MIN_PAIRS = args.moe_prefill_tokens * llm.engine.runner.model.shape.top_k
+        out = prefill(llm, args.moe_prefill_tokens)
+        del llm
+    finally:
+        triton_moe.LIBRARY_MIN_PAIRS = saved
+        release_memory()
+    out["speedup_over_fused"] = out["tok_s"] / fused["tok_s"]
     return out
 
 
@@ -217,6 +239,10 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
             launch_ms = sum(ms for _, ms in host["launch_calls"].values())
             rows.append([f"MoE prefill {res['prefill']['tokens']}: host wall ms", host["wall_ms"],
                          f"{blocking:,} blocking calls; {launched:,} launches, {launch_ms:.1f} ms in them"])  # fmt: skip
+    lib = res.get("library_prefill") or {}
+    if "speedup_over_fused" in lib:
+        rows.append([f"MoE prefill {lib['tokens']}: grouped_mm / fused", lib["speedup_over_fused"],
+                     f"{lib['tok_s']:,.0f} tok/s, MFU {lib['mfu']:.0%}"])  # fmt: skip
     fid = res.get("fidelity") or {}
     if "push_batch1" in fid:
         rows.append(["MoE logprobs / trainer's bf16 floor", fid["push_batch1"]["worst_ratio"], "goal <= 1.5"])

@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from siesta.model import batch_invariant
+from siesta.model import batch_invariant, grouped_mm_moe
 from siesta.model.moe import sum_over_k
 from siesta.model.triton_matmul import persistent_programs
 
@@ -90,6 +90,10 @@ LARGE_PREFILL_TILES = MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8
 # fp32 experts (tests, the CPU-sized shapes) at most this many stages: a 4-stage 128-row fp32
 # tile needs 304 KiB of shared memory, over Hopper's 227.
 WIDE_MAX_STAGES = 2
+# Steps of at least this many pairs run their experts on torch's grouped GEMM instead
+# (``grouped_mm_moe``); None keeps every step on the fused kernels. The ``moe`` bench's
+# ``library_prefill`` part times the 8k prefill both ways.
+LIBRARY_MIN_PAIRS: int | None = None
 # Pairs per expert (on average) from which the prefill tiles pay, and the large ones.
 PREFILL_PAIRS_PER_EXPERT = 32
 LARGE_PREFILL_PAIRS_PER_EXPERT = 128
@@ -191,6 +195,8 @@ def fused_moe(
     n = t * k
     if tiles is None and uses_pair_path(t, gate_up, down):
         return _fused_moe_pairs(x, weights, ids, gate_up, down)
+    if tiles is None and uses_library(n):
+        return grouped_mm_moe.grouped_mm_moe(x, weights, ids, gate_up, down)
     tiles = tiles or step_tiles(n, num_experts)
     if x.element_size() > 2 and tiles.num_stages > WIDE_MAX_STAGES:
         tiles = replace(tiles, num_stages=WIDE_MAX_STAGES)
@@ -227,6 +233,13 @@ def _grid(row_tiles: int, feature_tiles: int, persistent: bool, device: torch.de
         return (row_tiles, feature_tiles), 1
     programs = min(persistent_programs(device), row_tiles * feature_tiles)
     return (programs,), programs
+
+
+def uses_library(num_pairs: int) -> bool:
+    """Whether a step of ``num_pairs`` pairs runs on torch's grouped GEMM (``grouped_mm_moe``):
+    from ``LIBRARY_MIN_PAIRS`` pairs (off while that is None), in the default mode."""
+    return (LIBRARY_MIN_PAIRS is not None and num_pairs >= LIBRARY_MIN_PAIRS and not batch_invariant.enabled()
+            and grouped_mm_moe.available())  # fmt: skip
 
 
 def uses_pair_path(tokens: int, gate_up: torch.Tensor, down: torch.Tensor) -> bool:

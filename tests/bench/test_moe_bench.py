@@ -22,7 +22,7 @@ def test_experts_touched_is_the_uniform_expectation() -> None:
 def test_the_section_runs_on_the_tiny_moe() -> None:
     args = gpu.build_parser().parse_args([])
     small = {"moe_model": "random:tiny-qwen3-moe", "moe_check_shape": "tiny-qwen3-moe", "moe_check_layers": 2,
-             "moe_check_tokens": 160, "moe_prefill_tokens": 128, "moe_parts": ["sorted_small_batches", "fidelity"],
+             "moe_check_tokens": 160, "moe_prefill_tokens": 128, "moe_parts": ["sorted_small_batches", "library_prefill", "fidelity"],
              "decode_batches": [1, 4],
              "decode_context": 32, "decode_steps": 2, "max_model_len": 512, "device": "cpu"}  # fmt: skip
     out = gpu.SECTIONS["moe"](argparse.Namespace(**(vars(args) | small)))
@@ -35,7 +35,11 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     # The A/B engine (experts always sorted) ran batch 1 only: the batches the pair kernels serve.
     assert {k for k in out["sorted_small_batches"] if k.startswith("batch")} == {"batch1"}
     assert out["sorted_small_batches"]["batch1"]["pair_kernels_speedup"] > 0
+    # The prefill again with the library's grouped GEMM switched on (the CPU's experts are torch's
+    # either way, so here only that the A/B runs and reads).
+    assert out["library_prefill"]["tok_s"] > 0 and out["library_prefill"]["speedup_over_fused"] > 0
     rows = [r[0] for r in gpu.summary({"moe": out})]
+    assert "MoE prefill 128: grouped_mm / fused" in rows
     assert "MoE decode batch1 tok/s" in rows and "MoE logprobs / trainer's bf16 floor" in rows
     assert "MoE decode batch1: pair kernels / sorted" in rows
     assert "MoE decode batch1 kernel launches a step" in rows

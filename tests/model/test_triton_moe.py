@@ -492,6 +492,53 @@ def test_fused_moe_cuda_graph_replay(case: Case) -> None:
         _assert_close(out, _oracle(nx, nw, nids, gate_up, down), BF16_TOL)
 
 
+# ---------------------------------------------------------------------------- the library path
+
+
+@pytest.mark.skipif(not triton_moe.grouped_mm_moe.available(), reason="this torch has no F.grouped_mm")
+def test_large_steps_take_the_library_path_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = Case(40, 2, 8, 64, 32)
+    x, weights, ids, gate_up, down = _inputs(case, torch.float32)
+    monkeypatch.setattr(batch_invariant, "_enabled", False)
+    assert not triton_moe.uses_library(10**6)  # off by default
+    monkeypatch.setattr(triton_moe, "LIBRARY_MIN_PAIRS", 80)
+    assert [triton_moe.uses_library(n) for n in (79, 80)] == [False, True]
+    calls = []
+    real = triton_moe.grouped_mm_moe.grouped_mm_moe
+    monkeypatch.setattr(triton_moe.grouped_mm_moe, "grouped_mm_moe", lambda *a: calls.append(1) or real(*a))
+    out = fused_moe(x, weights, ids, gate_up, down)
+    assert calls == [1]
+    _assert_close(out, _oracle(x, weights, ids, gate_up, down), FP32_TOL)
+    fused_moe(x[:39], weights[:39], ids[:39], gate_up, down)  # 78 pairs: the fused kernels
+    assert calls == [1]
+    monkeypatch.setattr(batch_invariant, "_enabled", True)  # deterministic mode keeps its one tile set
+    assert not triton_moe.uses_library(10**6)
+
+
+@GPU_ONLY
+@pytest.mark.skipif(not triton_moe.grouped_mm_moe.available(), reason="this torch has no F.grouped_mm")
+def test_the_library_path_bf16_without_host_sync_and_in_a_graph_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_moe, "LIBRARY_MIN_PAIRS", 1)
+    case = Case(256, 2, 16, 256, 96)
+    x, weights, ids, gate_up, down = _inputs(case, torch.bfloat16)
+    _assert_close(fused_moe(x, weights, ids, gate_up, down), _oracle(x, weights, ids, gate_up, down), BF16_TOL)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_moe(x, weights, ids, gate_up, down)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, weights, ids, gate_up, down)
+    nx, nw, nids, _, _ = _inputs(Case(256, 2, 16, 256, 96, True), torch.bfloat16, 1)
+    for buf, val in ((x, nx), (weights, nw), (ids, nids)):
+        buf.copy_(val)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_moe(nx, nw, nids, gate_up, down))
+
+
 # ---------------------------------------------------------------------------- deterministic mode
 
 
