@@ -57,24 +57,6 @@ def _block_offsets(block, key_pos, kv_head, offs_d, stride_block, stride_slot, s
 
 
 @triton.jit
-def _kv_offsets(
-    table_row_ptr,
-    key_pos,
-    kv_head,
-    offs_d,
-    key_mask,
-    stride_block,
-    stride_slot,
-    stride_head,
-    PAGE_SIZE: tl.constexpr,
-    MASK_KEYS: tl.constexpr,
-):
-    """Element offsets ``[BLOCK_N, BLOCK_D]`` of keys ``key_pos`` of one KV head, through the block table."""
-    block = _table_blocks(table_row_ptr, key_pos, key_mask, PAGE_SIZE, MASK_KEYS)
-    return _block_offsets(block, key_pos, kv_head, offs_d, stride_block, stride_slot, stride_head, PAGE_SIZE)
-
-
-@triton.jit
 def _load_tile(ptr, offsets, key_mask, d_mask, MASK_KEYS: tl.constexpr, EVEN_D: tl.constexpr):
     if MASK_KEYS:
         return tl.load(ptr + offsets, mask=key_mask[:, None] & d_mask[None, :], other=0.0)
@@ -290,22 +272,25 @@ def _prefill_tile(
     # Key tiles wholly at or before the tile's first query are visible to every row:
     # no masks there, masks only on the diagonal tiles after (and on a ragged key_hi).
     unmasked_end = tl.minimum((first_pos + 1) // BLOCK_N, key_hi // BLOCK_N) * BLOCK_N
+    # As in ``_decode_range``, each step reads the next step's block-table entries. The next
+    # tile's entries may lie past the unmasked range, so that read is masked to the keys' end.
+    block = _table_blocks(table_row_ptr, key_lo + offs_n, key_lo + offs_n < key_hi, PAGE_SIZE, True)
     for start in range(key_lo, unmasked_end, BLOCK_N):
         key_pos = start + offs_n
-        offsets = _kv_offsets(
-            table_row_ptr, key_pos, kv_head, offs_d, None, stride_block, stride_slot, stride_head, PAGE_SIZE, False
-        )
+        offsets = _block_offsets(block, key_pos, kv_head, offs_d, stride_block, stride_slot, stride_head, PAGE_SIZE)
+        block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_hi, PAGE_SIZE, True)
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, None, d_mask, None,
             acc, m_i, l_i, scale_log2, k_scale, v_scale, False, EVEN_D, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
-    for start in range(tl.maximum(key_lo, unmasked_end), key_hi, BLOCK_N):
+    masked_start = tl.maximum(key_lo, unmasked_end)
+    block = _table_blocks(table_row_ptr, masked_start + offs_n, masked_start + offs_n < key_hi, PAGE_SIZE, True)
+    for start in range(masked_start, key_hi, BLOCK_N):
         key_pos = start + offs_n
         key_mask = key_pos < key_hi
         visible = key_mask[None, :] & (key_pos[None, :] <= row_pos[:, None])
-        offsets = _kv_offsets(
-            table_row_ptr, key_pos, kv_head, offs_d, key_mask, stride_block, stride_slot, stride_head, PAGE_SIZE, True
-        )
+        offsets = _block_offsets(block, key_pos, kv_head, offs_d, stride_block, stride_slot, stride_head, PAGE_SIZE)
+        block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_hi, PAGE_SIZE, True)
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, key_mask, d_mask, visible,
             acc, m_i, l_i, scale_log2, k_scale, v_scale, True, EVEN_D, DOT_PRECISION, KV_FP8,

@@ -11,8 +11,6 @@ an expert, 0.87x the 64-row tile's time at 8k tokens; prefill 8k then read MFU 4
 routing at each step size, once with the tiles the engine picks (``tiles_for``) and once per
 ``--candidates`` tile (``BLOCK_Mx BLOCK_Nx BLOCK_K w warps s stages``), inside a CUDA graph (median
 of replays); each candidate's output is checked against the shipped one's (bf16 rounding apart).
-The same experts through torch's grouped GEMM (``grouped_mm_moe``: CUTLASS on Hopper) are timed
-beside them, as the library's bar for the fused kernels.
 
 ``--smoke`` runs a tiny fp32 shape through Triton's interpreter on the CPU, only to check that the
 script runs end to end.
@@ -27,7 +25,7 @@ import torch
 
 from siesta.bench.common import print_table, write_json
 from siesta.bench.kernel_timing import candidates_cli, time_call
-from siesta.model import grouped_mm_moe, triton_moe
+from siesta.model import triton_moe
 from siesta.model.triton_moe import MoeTiles
 
 # (name, experts, hidden, intermediate, top k): Qwen3-30B-A3B's experts.
@@ -94,26 +92,7 @@ def measure(tokens: int, shape: tuple, candidates: list[MoeTiles], device: torch
     best = min(ok, key=lambda c: c["us"]) if ok else None
     return {"shape": name, "tokens": tokens, "pairs": tokens * top_k, "shipped": asdict(shipped),
             "shipped_us": shipped_us, "shipped_tflops": flops / shipped_us / 1e6, "candidates": tried,
-            "best": best, "library": _library_arm(x, weights, ids, gate_up, down, ref, scale, flops, shipped_us,
-                                                  device)}  # fmt: skip
-
-
-def _library_arm(x, weights, ids, gate_up, down, ref, scale, flops, shipped_us, device) -> dict:
-    """The same experts through torch's grouped GEMM (``grouped_mm_moe``), timed the same way."""
-    if not grouped_mm_moe.available():
-        return {"error": "this torch has no F.grouped_mm"}
-    outs: dict[str, torch.Tensor] = {}
-
-    def call(_: int) -> None:
-        outs["out"] = grouped_mm_moe.grouped_mm_moe(x, weights, ids, gate_up, down)
-
-    try:
-        us = time_call(call, 1, device, CALLS_PER_GRAPH)
-    except Exception as e:  # noqa: BLE001 - a card or dtype the library refuses is a result too
-        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-    diff = (outs["out"].float() - ref).abs().max().item() / scale
-    return {"us": us, "tflops": flops / us / 1e6, "over_shipped": us / shipped_us, "max_rel_diff": diff,
-            "agrees": diff <= TOLERANCE}  # fmt: skip
+            "best": best}  # fmt: skip
 
 
 def run(device: torch.device, smoke: bool = False, candidates: list[MoeTiles] | None = None) -> dict:
@@ -125,8 +104,6 @@ def run(device: torch.device, smoke: bool = False, candidates: list[MoeTiles] | 
         row = measure(tokens, shape, candidates, device)
         best = row["best"]
         found = f"; best {best['tiles']} {best['us']:.1f} us ({best['over_shipped']:.2f}x)" if best else ""
-        lib = row["library"]
-        found += f"; grouped_mm {lib['us']:.1f} us ({lib['over_shipped']:.2f}x)" if "us" in lib else ""
         print(f"  {row['shape']} {tokens} tokens: shipped {row['shipped_us']:.1f} us "
               f"({row['shipped_tflops']:.0f} TFLOP/s){found}")  # fmt: skip
         rows.append(row)
@@ -149,10 +126,6 @@ def summary_rows(res: dict) -> list[list]:
         rows.append([f"MoE tiles, {r['tokens']} tokens: best candidate / shipped",
                      best["over_shipped"] if best else "-",
                      f"shipped {r['shipped_tflops']:.0f} TFLOP/s; best {label}"])  # fmt: skip
-        lib = r.get("library", {})
-        if "us" in lib:
-            rows.append([f"MoE, {r['tokens']} tokens: torch grouped_mm / shipped", lib["over_shipped"],
-                         f"{lib['tflops']:.0f} TFLOP/s, agrees {lib['agrees']}"])  # fmt: skip
     return rows
 
 
