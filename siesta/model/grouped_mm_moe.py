@@ -5,8 +5,10 @@ in library calls: the (token, k) pairs sorted by expert (a stable sort, no host 
 gathered into that order, one grouped GEMM for gate/up over every expert's run (``offs``: the
 runs' ends), ``silu(gate) * up``, one grouped GEMM for down, each pair's output scaled by its
 weight and put back in pair order for ``moe.sum_over_k``. It costs the gather and three
-pair-sized intermediates that the fused kernels keep on chip; it pays where the library's
-GEMMs beat the fused ones by more than that (``python -m siesta.bench.moe_tiles`` times both).
+pair-sized intermediates that the fused kernels keep on chip; it would pay where the library's
+GEMMs beat the fused ones by more than that. The ``moe`` bench's ``library_prefill`` part times
+both: on an H100 an 8k prefill ran at 0.81x the fused path (run 54a), so it is off
+(``triton_moe.LIBRARY_MIN_PAIRS``).
 """
 
 from __future__ import annotations
