@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from siesta.bench.common import machine
 from siesta.bench.resume_http import ServerProcess
 
 PROMPT = "Write one sentence about the sea."
@@ -86,7 +87,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     arms = [None if a == "default" else int(a) for a in args.arms.split(",")]
-    out = {"load_procs": args.load_procs, "arms": [run_arm(t, args) for t in arms]}
+    out = {"machine": machine(), "load_procs": args.load_procs, "requests": args.requests,
+           "arms": [run_arm(t, args) for t in arms]}  # fmt: skip
     for arm in out["arms"]:
         print(f"cpu threads {arm['cpu_threads']}: TTFT p50 {arm['ttft_p50_s']:.2f} s (max {arm['ttft_max_s']:.2f}), "
               f"16 tokens p50 {arm['latency_p50_s']:.2f} s (max {arm['latency_max_s']:.2f})")
