@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
 
+from siesta import host_ints
 from siesta.attention import triton_kernels as kernels
 from siesta.attention import triton_tiles as tiling
 from siesta.attention.base import AttentionMetadata, KVCache
@@ -62,7 +62,7 @@ SDPA_PREFILL_MIN_TOKENS: int | None = 2048
 def _merge_width(num_splits: int) -> int:
     """The merge's split tile: one width for every split count up to ``tiling.MAX_SPLITS``, so a
     batch with a new count does not compile a new variant mid-serving (H200: ~0.4 s)."""
-    return max(triton.next_power_of_2(tiling.MAX_SPLITS), triton.next_power_of_2(num_splits))
+    return max(host_ints.next_power_of_2(tiling.MAX_SPLITS), host_ints.next_power_of_2(num_splits))
 
 
 def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
@@ -112,7 +112,7 @@ def _shapes(q: torch.Tensor, k_cache: torch.Tensor) -> _Shapes:
         raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV heads")
     if head_dim > tiling.MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} is not supported: at most {tiling.MAX_HEAD_DIM}")
-    block_d = max(tiling.MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    block_d = max(tiling.MIN_DOT_DIM, host_ints.next_power_of_2(head_dim))
     return _Shapes(num_q_heads, num_kv_heads, head_dim, num_q_heads // num_kv_heads, block_d)
 
 
@@ -123,12 +123,12 @@ def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
 
 
 def _decode_block_h(group: int) -> int:
-    return max(tiling.MIN_DOT_DIM, triton.next_power_of_2(group))
+    return max(tiling.MIN_DOT_DIM, host_ints.next_power_of_2(group))
 
 
 def _prefill_block_m(tiles: tiling.Tiles, group: int) -> int:
     # A tile holds at least one token's whole group of query heads.
-    return max(tiles.block_m, triton.next_power_of_2(group))
+    return max(tiles.block_m, host_ints.next_power_of_2(group))
 
 
 def prefill_block_q(head_dim: int, group: int, dtype: torch.dtype) -> int:

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from siesta import host_ints
 from siesta.attention.kv_quant import FP8_GRIDS, is_quantized
 
 # One warp per 256 elements: 32 threads x 8 half-precision elements, one 16-byte
@@ -147,8 +148,8 @@ def write_kv_triton(
         raise ValueError("the KV cache's head_dim must be contiguous")
     k = _last_dim_contiguous(k)
     v = _last_dim_contiguous(v)
-    block_h = triton.next_power_of_2(num_kv_heads)
-    block_d = triton.next_power_of_2(head_dim)
+    block_h = host_ints.next_power_of_2(num_kv_heads)
+    block_d = host_ints.next_power_of_2(head_dim)
     num_warps = row_num_warps(block_h * block_d)
     quantized = is_quantized(k_cache.dtype)
     grid = FP8_GRIDS[k_cache.dtype] if quantized else FP8_GRIDS[torch.float8_e4m3fn]  # unused unless quantized

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import triton
+
+from siesta import host_ints
 
 # tl.dot needs every operand dimension to be at least this.
 MIN_DOT_DIM = 16
@@ -132,7 +133,7 @@ def invariant_decode_tiles(head_dim: int, dtype: torch.dtype, programs: int = 0,
 
 
 def _tiles_for(table: dict[int, Tiles], head_dim: int) -> Tiles:
-    padded = max(MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    padded = max(MIN_DOT_DIM, host_ints.next_power_of_2(head_dim))
     for dim in sorted(table):
         if padded <= dim:
             return table[dim]
@@ -158,8 +159,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_cou
     context length, because each program sizes its key range from ``seq_lens`` on device.
     """
     programs = num_seqs * num_kv_heads
-    wanted = triton.cdiv(sm_count * _TARGET_PROGRAMS_PER_SM, programs)
-    useful = triton.cdiv(max_seq_len, _MIN_KEYS_PER_SPLIT)
+    wanted = host_ints.cdiv(sm_count * _TARGET_PROGRAMS_PER_SM, programs)
+    useful = host_ints.cdiv(max_seq_len, _MIN_KEYS_PER_SPLIT)
     splits = max(1, min(wanted, useful, MAX_SPLITS))
     return 1 << (splits.bit_length() - 1)
 
@@ -180,7 +181,7 @@ def choose_prefill_splits(
     longest = 0
     for q_len, seq_len in zip(q_lens, seq_lens):
         if q_len > 1:
-            num_tiles += triton.cdiv(q_len, block_q)
+            num_tiles += host_ints.cdiv(q_len, block_q)
             longest = max(longest, seq_len)
     if num_tiles == 0:
         return 1
