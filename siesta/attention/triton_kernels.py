@@ -41,11 +41,10 @@ def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _table_blocks(table_row_ptr, key_pos, key_mask, PAGE_SIZE: tl.constexpr, MASK_KEYS: tl.constexpr):
-    """The cache block holding each of keys ``key_pos``, read from the request's block-table row."""
-    if MASK_KEYS:
-        return tl.load(table_row_ptr + key_pos // PAGE_SIZE, mask=key_mask, other=0)
-    return tl.load(table_row_ptr + key_pos // PAGE_SIZE)
+def _table_blocks(table_row_ptr, key_pos, key_mask, PAGE_SIZE: tl.constexpr):
+    """The cache block holding each of keys ``key_pos`` (0 where ``key_mask`` is off), read from the
+    request's block-table row."""
+    return tl.load(table_row_ptr + key_pos // PAGE_SIZE, mask=key_mask, other=0)
 
 
 @triton.jit
@@ -160,12 +159,12 @@ def _decode_range(
     # and keeps the next tile in flight over this one's products; with the table read inside the
     # step it gave them one buffer, copied after the products and awaited at once (TTGIR, Triton
     # 3.6 and 3.9, sm_90): no overlap within a program at any num_stages.
-    block = _table_blocks(table_row_ptr, key_start + offs_n, key_start + offs_n < key_end, PAGE_SIZE, True)
+    block = _table_blocks(table_row_ptr, key_start + offs_n, key_start + offs_n < key_end, PAGE_SIZE)
     for start in range(key_start, key_end, BLOCK_N):
         key_pos = start + offs_n
         key_mask = key_pos < key_end
         offsets = _block_offsets(block, key_pos, kv_head, offs_d, stride_block, stride_slot, stride_head, PAGE_SIZE)
-        block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_end, PAGE_SIZE, True)
+        block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_end, PAGE_SIZE)
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, key_mask, d_mask, key_mask[None, :],
             acc, m_i, l_i, scale_log2, k_scale, v_scale, True, HEAD_DIM == BLOCK_D, DOT_PRECISION, KV_FP8,
@@ -274,23 +273,23 @@ def _prefill_tile(
     unmasked_end = tl.minimum((first_pos + 1) // BLOCK_N, key_hi // BLOCK_N) * BLOCK_N
     # As in ``_decode_range``, each step reads the next step's block-table entries. The next
     # tile's entries may lie past the unmasked range, so that read is masked to the keys' end.
-    block = _table_blocks(table_row_ptr, key_lo + offs_n, key_lo + offs_n < key_hi, PAGE_SIZE, True)
+    block = _table_blocks(table_row_ptr, key_lo + offs_n, key_lo + offs_n < key_hi, PAGE_SIZE)
     for start in range(key_lo, unmasked_end, BLOCK_N):
         key_pos = start + offs_n
         offsets = _block_offsets(block, key_pos, kv_head, offs_d, stride_block, stride_slot, stride_head, PAGE_SIZE)
-        block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_hi, PAGE_SIZE, True)
+        block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_hi, PAGE_SIZE)
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, None, d_mask, None,
             acc, m_i, l_i, scale_log2, k_scale, v_scale, False, EVEN_D, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
     masked_start = tl.maximum(key_lo, unmasked_end)
-    block = _table_blocks(table_row_ptr, masked_start + offs_n, masked_start + offs_n < key_hi, PAGE_SIZE, True)
+    block = _table_blocks(table_row_ptr, masked_start + offs_n, masked_start + offs_n < key_hi, PAGE_SIZE)
     for start in range(masked_start, key_hi, BLOCK_N):
         key_pos = start + offs_n
         key_mask = key_pos < key_hi
         visible = key_mask[None, :] & (key_pos[None, :] <= row_pos[:, None])
         offsets = _block_offsets(block, key_pos, kv_head, offs_d, stride_block, stride_slot, stride_head, PAGE_SIZE)
-        block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_hi, PAGE_SIZE, True)
+        block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_hi, PAGE_SIZE)
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, key_mask, d_mask, visible,
             acc, m_i, l_i, scale_log2, k_scale, v_scale, True, EVEN_D, DOT_PRECISION, KV_FP8,

@@ -73,7 +73,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor, KVCache, AttentionMetadata]:
     starts = [0]
     for n in Q_LENS:
         starts.append(starts[-1] + n)
-    blocks = -(-CONTEXT // BLOCK_SIZE)
+    blocks = host_ints.cdiv(CONTEXT, BLOCK_SIZE)
     reqs = len(Q_LENS)
     cache = KVCache.allocate(reqs * blocks, 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM, torch.float8_e4m3fn, "cpu")
     seq = [CONTEXT] * reqs

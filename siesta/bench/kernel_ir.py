@@ -14,8 +14,8 @@ Under Triton's interpreter (the CPU) nothing is compiled: ``dump`` writes and re
 carries its own LLVM and ptxas), so the TTGIR a card would run can be read here. Run as a module
 it compiles the attention kernels on the tiles the engine ships, for Hopper, and prints each
 variant's shared memory (against the 227 KiB a block may have), how many K/V buffers its key
-loop's copies got, and whether any wait leaves copies in flight over the products (none: each
-tile's copy is awaited as soon as it is issued)::
+loop's copies got, and how many waits leave copies in flight over the products (0: each tile's
+copy is awaited as soon as it is issued, so nothing overlaps within a program)::
 
     TRITON_INTERPRET=0 python -m siesta.bench.kernel_ir [--arch 90] [--head-dim 128] [--json PATH]
 """
