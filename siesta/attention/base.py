@@ -32,6 +32,11 @@ class KVCache:
     unset: np.ndarray | None = field(default=None, repr=False)
     # fp8 caches: the per-layer scales every write divides by and every read multiplies by.
     scales: KVScales | None = None
+    # Per layer, the (tensor, K view, V view) ``layer`` handed out: every step asks for every
+    # layer's views, and slicing them anew cost ~5 us a layer of host time between graphs.
+    _views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         num_layers = self.tensor.shape[1]
@@ -136,7 +141,10 @@ class KVCache:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V views of one layer, each ``[num_blocks, block_size, kv_heads, head_dim]``."""
-        return self.tensor[:, layer_idx, 0], self.tensor[:, layer_idx, 1]
+        cached = self._views.get(layer_idx)
+        if cached is None or cached[0] is not self.tensor:  # made anew if the tensor was replaced
+            cached = self._views[layer_idx] = (self.tensor, self.tensor[:, layer_idx, 0], self.tensor[:, layer_idx, 1])
+        return cached[1], cached[2]
 
 
 @dataclass
@@ -159,6 +167,10 @@ class AttentionMetadata:
     # Host copies, so backends that loop over requests never synchronize.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # What a backend derives from the fields above (split plans, scratch buffers) once a step
+    # and reuses in every layer: one metadata serves all of a step's layers, and re-deriving
+    # it was most of the host time a layer between piecewise graphs. Never copied.
+    step_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

@@ -31,8 +31,11 @@ own K/V back from the cache, as decode will (the SDPA route too), so the two agr
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +62,26 @@ SDPA_PREFILL_MIN_TOKENS: int | None = 2048
 
 
 
+_T = TypeVar("_T")
+
+
+def _once_a_step(meta: AttentionMetadata, key: tuple, make: Callable[[], _T]) -> _T:
+    """``make()`` for the step's first layer; the others read it back (``meta.step_cache``)."""
+    cache = meta.step_cache
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _scratch(meta: AttentionMetadata, key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """An fp32 buffer the step's layers share: they run one after another on one stream. Under
+    CUDA-graph capture each layer takes its own from the graph's pool, since a buffer cached at
+    the warm-up would be freed with its metadata while the graph still writes it."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    return _once_a_step(meta, ("scratch", key, shape), lambda: torch.empty(shape, dtype=torch.float32, device=device))
+
+
 def _merge_width(num_splits: int) -> int:
     """The merge's split tile: one width for every split count up to ``tiling.MAX_SPLITS``, so a
     batch with a new count does not compile a new variant mid-serving (H200: ~0.4 s)."""
@@ -76,8 +99,7 @@ def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Ten
         meta.query_start_loc,
         meta.num_reqs,
         num_splits,
-        out.stride(0),
-        out.stride(1),
+        *out.stride()[:2],
         NUM_Q_HEADS=shapes.num_q_heads,
         HEAD_DIM=shapes.head_dim,
         BLOCK_S=_merge_width(num_splits),
@@ -97,6 +119,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @dataclass(frozen=True)
+class MixedPlan:
+    """How a batch with prefill rows is served (``TritonAttention.mixed``)."""
+
+    decode_splits: int  # key ranges a decode row's context is cut into; 0: no decode rows
+    prefill_splits: int  # key ranges a prefill tile's; 1: the unified kernel serves the prefill rows
+    split_decodes: bool  # beside a unified launch, the decode rows go to the split-KV kernel
+
+
+@dataclass(frozen=True)
 class _Shapes:
     num_q_heads: int
     num_kv_heads: int
@@ -106,8 +137,11 @@ class _Shapes:
 
 
 def _shapes(q: torch.Tensor, k_cache: torch.Tensor) -> _Shapes:
-    _, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    return _shapes_of(q.shape[1], q.shape[2], k_cache.shape[2])
+
+
+@functools.cache
+def _shapes_of(num_q_heads: int, head_dim: int, num_kv_heads: int) -> _Shapes:
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads} query heads do not split into {num_kv_heads} KV heads")
     if head_dim > tiling.MAX_HEAD_DIM:
@@ -117,9 +151,10 @@ def _shapes(q: torch.Tensor, k_cache: torch.Tensor) -> _Shapes:
 
 
 def _cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
-    if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+    strides = k_cache.stride()
+    if strides != v_cache.stride() or strides[-1] != 1:
         raise ValueError("K and V cache views must share strides with a contiguous head_dim (KVCache.layer)")
-    return k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+    return strides[0], strides[1], strides[2]
 
 
 def _decode_block_h(group: int) -> int:
@@ -216,6 +251,10 @@ class TritonAttention:
         """Whether this batch takes the SDPA path: CUDA, fresh prefills only, all long enough."""
         if self.sdpa_prefill_min_tokens is None or not q.is_cuda:
             return False
+        return _once_a_step(meta, ("sdpa", self.sdpa_prefill_min_tokens), lambda: self._all_long_and_fresh(meta))
+
+    def _all_long_and_fresh(self, meta: AttentionMetadata) -> bool:
+        assert self.sdpa_prefill_min_tokens is not None
         starts = meta.query_start_loc_cpu
         q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_reqs)]
         fresh = all(q_len == seq_len for q_len, seq_len in zip(q_lens, meta.seq_lens_cpu))
@@ -261,10 +300,8 @@ class TritonAttention:
             scale * LOG2E,
             float(scales[0]),
             float(scales[1]),
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
+            *q.stride()[:2],
+            *out.stride()[:2],
             stride_block,
             stride_slot,
             stride_head,
@@ -309,25 +346,30 @@ class TritonAttention:
         0.18 ms with the decode rows split out). When the split heuristic asks for
         at least ``mixed_decode_min_splits`` splits, decode rows go to the split-KV kernel.
         """
-        starts = meta.query_start_loc_cpu
-        decode_lens = [meta.seq_lens_cpu[i] for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
-        num_kv_heads = k_cache.shape[2]
-        decode_splits = 0
-        if decode_lens:
-            decode_splits = self.num_splits(len(decode_lens), max(decode_lens), num_kv_heads, q.device)
-        prefill_splits = self.prefill_num_splits(q, k_cache, meta)
-        if prefill_splits > 1:
+        key = ("mixed", self.decode_splits, self.mixed_decode_min_splits, self.prefill_splits, *q.shape[1:],
+               k_cache.dtype, k_cache.shape[2])  # fmt: skip
+        plan = _once_a_step(meta, key, lambda: self.mixed_plan(q, k_cache, meta))
+        if plan.prefill_splits > 1:
             # Decode rows first: the per-token merge skips them, so the order is free, and
             # this one lets the tests catch a merge that would clobber them.
-            if decode_lens:
-                self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=decode_splits, scales=scales)
-            self.split_prefill(q, k_cache, v_cache, meta, scale, out, prefill_splits, scales=scales)
+            if plan.decode_splits:
+                self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=plan.decode_splits, scales=scales)
+            self.split_prefill(q, k_cache, v_cache, meta, scale, out, plan.prefill_splits, scales=scales)
             return
+        self.unified(q, k_cache, v_cache, meta, scale, out, skip_decode=plan.split_decodes, scales=scales)
+        if plan.split_decodes:
+            self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=plan.decode_splits, scales=scales)
+
+    def mixed_plan(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> MixedPlan:
+        """How ``mixed`` serves this batch: a function of the host lists, so once a step."""
+        starts = meta.query_start_loc_cpu
+        decode_lens = [meta.seq_lens_cpu[i] for i in range(meta.num_reqs) if starts[i + 1] - starts[i] == 1]
+        decode_splits = 0
+        if decode_lens:
+            decode_splits = self.num_splits(len(decode_lens), max(decode_lens), k_cache.shape[2], q.device)
         min_splits = self.mixed_decode_min_splits
         split_decodes = bool(decode_lens) and min_splits is not None and decode_splits >= min_splits
-        self.unified(q, k_cache, v_cache, meta, scale, out, skip_decode=split_decodes, scales=scales)
-        if split_decodes:
-            self.decode(q, k_cache, v_cache, meta, scale, out, num_splits=decode_splits, scales=scales)
+        return MixedPlan(decode_splits, self.prefill_num_splits(q, k_cache, meta), split_decodes)
 
     def prefill_num_splits(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
         """Key-range splits per prefill tile for this batch (1: the unified kernel serves it)."""
@@ -359,8 +401,8 @@ class TritonAttention:
         block_m = _prefill_block_m(tiles, shapes.group)
         num_tokens = meta.query_start_loc_cpu[-1]
         # fp32 partials: the merge must not round what the split kernels accumulated.
-        part_lse = torch.empty((num_tokens, shapes.num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        part_out = torch.empty((*part_lse.shape, shapes.head_dim), dtype=torch.float32, device=q.device)
+        part_lse = _scratch(meta, "prefill_lse", (num_tokens, shapes.num_q_heads, num_splits), q.device)
+        part_out = _scratch(meta, "prefill_out", (*part_lse.shape, shapes.head_dim), q.device)
         stride_block, stride_slot, stride_head = _cache_strides(k_cache, v_cache)
         block_q = block_m // shapes.group
         kernels.prefill_split_kernel[(_num_tiles(meta, block_q), shapes.num_kv_heads, num_splits)](
@@ -377,8 +419,7 @@ class TritonAttention:
             scale * LOG2E,
             float(scales[0]),
             float(scales[1]),
-            q.stride(0),
-            q.stride(1),
+            *q.stride()[:2],
             stride_block,
             stride_slot,
             stride_head,
@@ -432,8 +473,8 @@ class TritonAttention:
         write_partials = splits > 1
         # fp32 partials: the merge must not round what the split kernels accumulated.
         part_shape = (num_reqs, shapes.num_q_heads, splits) if write_partials else (1, 1, 1)
-        part_lse = torch.empty(part_shape, dtype=torch.float32, device=q.device)
-        part_out = torch.empty((*part_shape, shapes.head_dim), dtype=torch.float32, device=q.device)
+        part_lse = _scratch(meta, "decode_lse", part_shape, q.device)
+        part_out = _scratch(meta, "decode_out", (*part_shape, shapes.head_dim), q.device)
         stride_block, stride_slot, stride_head = _cache_strides(k_cache, v_cache)
         kernels.decode_split_kernel[(num_reqs, shapes.num_kv_heads, splits)](
             q,
@@ -449,10 +490,8 @@ class TritonAttention:
             scale * LOG2E,
             float(scales[0]),
             float(scales[1]),
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
+            *q.stride()[:2],
+            *out.stride()[:2],
             stride_block,
             stride_slot,
             stride_head,

@@ -142,9 +142,10 @@ def write_kv_triton(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    if k_cache.stride() != v_cache.stride():
+    cache_strides = k_cache.stride()
+    if cache_strides != v_cache.stride():
         raise ValueError("K and V cache views must share strides (KVCache.layer gives such views)")
-    if k_cache.stride(-1) != 1:
+    if cache_strides[-1] != 1:
         raise ValueError("the KV cache's head_dim must be contiguous")
     k = _last_dim_contiguous(k)
     v = _last_dim_contiguous(v)
@@ -161,13 +162,9 @@ def write_kv_triton(
         slot_mapping,
         float(scales[0]),
         float(scales[1]),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *k.stride()[:2],
+        *v.stride()[:2],
+        *cache_strides[:3],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,

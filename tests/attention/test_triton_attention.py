@@ -7,6 +7,7 @@ bf16 is only tested on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import os
@@ -307,6 +308,27 @@ def test_prefill_split_more_splits_than_key_tiles(dtype: torch.dtype, monkeypatc
     backend = TritonAttention(prefill_splits=8)
     out = run_split_prefill(batch, backend, monkeypatch)
     check_against_oracles(batch, backend, out)
+
+
+@pytest.mark.parametrize("prefill_splits", [None, 4])
+def test_a_step_plans_once_and_its_layers_share_scratch(prefill_splits: int | None, monkeypatch) -> None:
+    """Every layer of a step reads the first layer's plan and partial buffers back from the
+    metadata, and gets the bits a fresh metadata gives it."""
+    specs = [(250, 1), (300, 7), (0, 1), (180, 45)]
+    batch = make_batch(specs, 2, 32, 16, torch.float32, seed=23)
+    backend = TritonAttention(decode_splits=4, prefill_splits=prefill_splits)
+    plans = []
+    derive = backend.mixed_plan
+    monkeypatch.setattr(backend, "mixed_plan", lambda *a: plans.append(derive(*a)) or plans[-1])
+    fresh_cache = KVCache(batch.kv_cache.tensor.clone())
+    for layer in range(NUM_LAYERS):  # each layer's cache holds its own noise: other contexts
+        out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, layer, batch.meta, batch.scale)
+        alone = backend.forward(batch.q, batch.k, batch.v, fresh_cache, layer, dataclasses.replace(batch.meta),
+                                batch.scale)  # fmt: skip
+        assert torch.equal(out, alone) and not out.isnan().any()
+    assert len(plans) == 1 + NUM_LAYERS  # the shared metadata's one, and each fresh one's
+    scratch = [key for key in batch.meta.step_cache if key[0] == "scratch"]
+    assert len(scratch) == (4 if plans[0].prefill_splits > 1 else 2)  # lse and partials, decode (and prefill)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 8, None])
