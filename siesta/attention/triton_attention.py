@@ -393,11 +393,14 @@ class TritonAttention:
         out: torch.Tensor,
         num_splits: int,
         scales: tuple[float, float] = UNIT_SCALES,
+        tiles: tiling.Tiles | None = None,
     ) -> None:
-        """Prefill rows over ``num_splits`` key ranges per tile, merged per token. Decode rows are skipped."""
+        """Prefill rows over ``num_splits`` key ranges per tile, merged per token. Decode rows are skipped.
+        ``tiles``: other than the prefill table's (``bench split_prefill_tiles`` sweeps them)."""
         shapes = _shapes(q, k_cache)
         dtype = _compute_dtype(q, k_cache)
-        tiles = tiling.prefill_tiles(shapes.head_dim, dtype)
+        if tiles is None:
+            tiles = tiling.prefill_tiles(shapes.head_dim, dtype)
         block_m = _prefill_block_m(tiles, shapes.group)
         num_tokens = meta.query_start_loc_cpu[-1]
         # fp32 partials: the merge must not round what the split kernels accumulated.

@@ -267,27 +267,30 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
     arms = {}
     runner = llm.engine.runner
     forwards, parts = _timed_forwards(llm)
-    piecewise = runner.piecewise
+    piecewise, whole = runner.piecewise, runner.mixed_graphs
     # Both arms with the engine's defaults, then more of the kept tier: without async
-    # scheduling, and with steps that have prefill rows run eagerly.
+    # scheduling, with steps that have prefill rows run eagerly, and with those steps all in
+    # piecewise graphs (none replayed whole). Each: (name, keep, pieces, whole, run ahead).
     default_async = llm.config.scheduler.async_scheduling
-    configs = (("cleared", False, True, default_async), ("kept", True, True, default_async),
-               ("kept_sync", True, True, False), ("kept_eager", True, False, default_async))  # fmt: skip
-    if not args.resume_variants:
-        configs = configs[:2]
-    for seed, (name, keep, pieces, run_ahead) in enumerate(configs):
+    configs = [("cleared", False, True, True, default_async), ("kept", True, True, True, default_async)]
+    if args.resume_variants:
+        configs += [("kept_sync", True, True, True, False), ("kept_eager", True, False, False, default_async)]
+    if args.resume_pieces_arm:
+        configs += [("kept_pieces", True, True, False, default_async)]
+    for seed, (name, keep, pieces, whole_steps, run_ahead) in enumerate(configs):
         ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, vocab, seed=100 + seed)
         variants = _triton_variants()
         forwards.clear()
         parts.clear()
         runner.piecewise = piecewise if pieces else None
+        runner.mixed_graphs = whole if whole_steps else None
         llm.config.scheduler.async_scheduling = run_ahead
         replays = args.resume_replays if name == "kept" else 1
         arms[name] = run_arm(llm, keep, ps, max_tokens=RESUME_NEW_TOKENS, replays=replays)
         arms[name]["triton_variants_compiled"] = _triton_variants() - variants
         arms[name]["forward_s"] = list(forwards)  # warm-up's and replay's steps
         arms[name]["copies_forward_s"] = list(parts)
-    runner.piecewise = piecewise
+    runner.piecewise, runner.mixed_graphs = piecewise, whole
     llm.config.scheduler.async_scheduling = default_async
     for name in ("launch", "_forward"):
         delattr(runner, name)
@@ -305,7 +308,10 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token": kv_per_token,
         "cleared": arms["cleared"],
         "kept": arms["kept"],
-        **{name: arms[name] for name in ("kept_sync", "kept_eager") if name in arms},
+        **{name: arms[name] for name in ("kept_sync", "kept_eager", "kept_pieces") if name in arms},
+        **({"kept_pieces_p50_over_floor": arms["kept_pieces"]["replay_p50_s"] / floor["floor_p50_s"],
+            "kept_pieces_over_kept_p50": arms["kept_pieces"]["replay_p50_s"] / arms["kept"]["replay_p50_s"]}
+           if "kept_pieces" in arms else {}),
         "async_scheduling": default_async,
         "speedup_p50": arms["cleared"]["replay_p50_s"] / arms["kept"]["replay_p50_s"],
         **({"speedup_p50_kept_sync": arms["cleared"]["replay_p50_s"] / arms["kept_sync"]["replay_p50_s"],
@@ -754,7 +760,8 @@ def decode_kernels(args: argparse.Namespace) -> dict[str, Any]:
 
 def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
     """Forwards of the batches a resume runs (short extends over long cached prefixes beside
-    decode rows), eager against the engine's path (piecewise CUDA graphs). Wall ms per
+    decode rows): eager, in piecewise CUDA graphs, and the engine's path (whole-step graphs,
+    ``core/mixed_graphs``, where a bucket holds the step). Wall ms per
     forward against the device's busy ms (the rest is launch overhead on the host), kernel
     launches, the costliest kernels, and how far the two paths' hidden states differ."""
     llm = make_llm(args, gpu_memory_utilization=0.85)
@@ -770,6 +777,7 @@ def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
     for name, specs in cases.items():
         inputs = runner._dummy_inputs(specs, runner.kv_cache.num_blocks, seed=0)
         paths = {"eager": lambda i=inputs: runner.model(i.input_ids, i.positions, runner.kv_cache, i.meta),
+                 "pieces": lambda i=inputs: _in_pieces(runner, i),
                  "engine": lambda i=inputs: runner._forward(i)}  # fmt: skip
         hidden = {}
         res[name] = {}
@@ -787,8 +795,19 @@ def mixed_step(args: argparse.Namespace) -> dict[str, Any]:
             res[name][path] = {"wall_ms": 1e3 * sorted(times)[len(times) // 2], "device_busy_ms": busy_ms,
                                "launches": launches, "top_kernels": top}  # fmt: skip
         res[name]["max_abs_hidden_diff"] = (hidden["eager"].float() - hidden["engine"].float()).abs().max().item()
+        res[name]["pieces_max_abs_hidden_diff"] = (hidden["eager"].float() - hidden["pieces"].float()).abs().max().item()
         res[name]["speedup"] = res[name]["eager"]["wall_ms"] / res[name]["engine"]["wall_ms"]
+        res[name]["speedup_over_pieces"] = res[name]["pieces"]["wall_ms"] / res[name]["engine"]["wall_ms"]
     return res
+
+
+def _in_pieces(runner, inputs) -> torch.Tensor:
+    """The engine's forward with no step replayed whole (steps with prefill rows in pieces)."""
+    whole, runner.mixed_graphs = runner.mixed_graphs, None
+    try:
+        return runner._forward(inputs)
+    finally:
+        runner.mixed_graphs = whole
 
 def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
     llm = make_llm(args, gpu_memory_utilization=0.85)
@@ -991,7 +1010,8 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
                          f"{(first.get(k) or 0) * 1e3:.0f}" for k in ("issued", "landed", "finished")),
                      f"1st step {' - '.join(f'{t * 1e3:.0f}' for t in marks.get('first_step_s') or ())} ms"])  # fmt: skip
     if "mixed_step" in results:
-        rows.append(["mixed step ms, eager / piecewise graphs", f"{get('mixed_step', 'extend_decode4', 'eager', 'wall_ms', default=0) or 0:.1f} / "
+        rows.append(["mixed step ms, eager / pieces / whole graph", f"{get('mixed_step', 'extend_decode4', 'eager', 'wall_ms', default=0) or 0:.1f} / "
+                     f"{get('mixed_step', 'extend_decode4', 'pieces', 'wall_ms', default=0) or 0:.1f} / "
                      f"{get('mixed_step', 'extend_decode4', 'engine', 'wall_ms', default=0) or 0:.1f}", "44-token extend + 4 decodes"])  # fmt: skip
     if "transfers" in results:
         rows.append(["tier store / load GB/s", f"{get('transfers', 'store_GB_s', default=0) or 0:.1f} / "
@@ -1048,6 +1068,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume-replays", type=int, default=3, help="resume: kept-tier replays (the first is the seed's)")
     ap.add_argument("--resume-variants", action=argparse.BooleanOptionalAction, default=True,
                     help="resume: also the kept arm without async scheduling and with eager mixed steps")
+    ap.add_argument("--resume-pieces-arm", action=argparse.BooleanOptionalAction, default=False,
+                    help="resume: also the kept arm with every step that has prefill rows in piecewise graphs")
     ap.add_argument("--tier-block-size", type=int, default=128)
     ap.add_argument("--tier-bytes", type=int, default=48 << 30)
     ap.add_argument("--load-window-mib", type=int, default=None, help="the tier's load window (default: its own)")

@@ -23,6 +23,7 @@ from siesta.core import staging
 from siesta.core.cuda_graphs import DecodeGraphs
 from siesta.core.device_memory import ArenaMemory, SleepableMemory
 from siesta.core.host_backup import CAPTURE_LOCK
+from siesta.core.mixed_graphs import MixedGraphs
 from siesta.core.piecewise_graphs import BUCKETS as PIECEWISE_BUCKETS
 from siesta.core.piecewise_graphs import PiecewiseGraphs
 from siesta.core.routed_experts import PendingRouting, RoutedExpertsStore, RoutedRows, id_dtype, tier_blocks
@@ -200,6 +201,7 @@ class ModelRunner:
         self.connector: KVConnector | None = None  # set by the engine core when tiers are configured
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None  # steps with prefill rows
+        self.mixed_graphs: MixedGraphs | None = None  # the few-token ones of those, whole
         if self.device.type == "cuda" and self.backend.name == "triton":
             self._warm_up_kernels()
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name == "triton":
@@ -207,6 +209,9 @@ class ModelRunner:
                 self.model, self.kv_cache, config.scheduler.max_num_seqs, max_model_len, self.block_size
             )
             self.piecewise = PiecewiseGraphs(self.model, self.kv_cache, config.scheduler.max_num_batched_tokens)
+            if not config.deterministic:  # its attention picks tiles by the batch: it keeps the pieces
+                self.mixed_graphs = MixedGraphs(self.model, self.kv_cache, config.scheduler.max_num_batched_tokens,
+                                                config.scheduler.max_num_seqs, max_model_len, self.block_size)
             self.recapture_graphs()  # now, not in the first steps that serve requests
 
     # -- setup -----------------------------------------------------------------------
@@ -519,6 +524,10 @@ class ModelRunner:
             )
             if hidden is not None:
                 return hidden
+        if self.mixed_graphs is not None and not meta.is_decode_only:
+            hidden = self.mixed_graphs.run(inputs.input_ids, inputs.positions, meta)
+            if hidden is not None:
+                return hidden
         if self.piecewise is not None:
             hidden = self.piecewise.run(inputs.input_ids, inputs.positions, meta)
             if hidden is not None:
@@ -538,7 +547,7 @@ class ModelRunner:
 
     def memory_moved(self) -> None:
         """Weights or KV were re-allocated (sleep): graphs captured on the old addresses are void."""
-        for graphs in (self.graphs, self.piecewise):
+        for graphs in (self.graphs, self.piecewise, self.mixed_graphs):
             if graphs is not None:
                 graphs.invalidate()
 
@@ -546,7 +555,7 @@ class ModelRunner:
         """Capture now (at start and on wake-up) rather than in the first steps after it."""
         # Global capture mode: no thread may pin host memory meanwhile (another engine's backup).
         with CAPTURE_LOCK:
-            for graphs in (self.graphs, self.piecewise):
+            for graphs in (self.graphs, self.piecewise, self.mixed_graphs):
                 if graphs is not None:
                     graphs.capture()
 
