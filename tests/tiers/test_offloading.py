@@ -131,14 +131,14 @@ def test_a_replay_loads_each_tier_entry_in_one_copy(monkeypatch):
     llm.sleep(level=1, clear_connector_cache=False)
     llm.wake_up()
     runs: list[int] = []
-    copy_runs = transfer._copy_runs
+    run_parts = transfer._run_parts
 
-    def counted(cache, ids, host, direction):
+    def counted(cache, ids, host, direction):  # every path's copies: one a run of consecutive blocks
         if direction == "in":
             runs.append(len(transfer.block_runs(ids)))
-        copy_runs(cache, ids, host, direction)
+        return run_parts(cache, ids, host, direction)
 
-    monkeypatch.setattr(transfer, "_copy_runs", counted)
+    monkeypatch.setattr(transfer, "_run_parts", counted)
     generate(llm, ps)
     entries = delta(counters(llm), c1, LOADS) // llm.engine.connector.host.entry_bytes
     assert entries == sum((len(p) - 1) // TIER_BLOCK for p in ps) > 0
