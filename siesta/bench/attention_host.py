@@ -14,8 +14,8 @@ over ``--steps`` steps of ``--layers`` layers:
 * ``stubbed_every_layer``: the same with a fresh metadata every layer, so every layer derives
   its plans anew (what each layer paid before the step cache);
 * on CUDA, ``launched`` and ``launched_every_layer``: the same with the real launches, Triton's
-  launcher included, over a ``--launched-context``-token context (short, so the device keeps up
-  and the wall time is the host's).
+  launcher included, over a ``LAUNCHED_CONTEXT``-token context (512: short, so the device keeps
+  up and the wall time is the host's).
 """
 
 from __future__ import annotations

@@ -809,6 +809,7 @@ def _in_pieces(runner, inputs) -> torch.Tensor:
     finally:
         runner.mixed_graphs = whole
 
+
 def sleep_wake(args: argparse.Namespace) -> dict[str, Any]:
     llm = make_llm(args, gpu_memory_utilization=0.85)
     # The pinned backup is made in the background while no step runs (an engine waiting for its
