@@ -121,8 +121,6 @@ class CpuAttention(TorchAttention):
         self.kernel = kernel  # None: load_kernel()'s (a benchmark passes another build)
         self.prefill_kernel = prefill_kernel  # None: load_prefill_kernel()'s
         self._pool: ThreadPoolExecutor | None = None  # only for past builds without paged_decode_parts
-        # Per kind ("decode", "prefill"): (meta, rows, arrays) of the step the layers are in.
-        self._steps: dict[str, tuple] = {}
 
     def _decode(self, q, kv_cache: KVCache, layer_idx: int, meta: AttentionMetadata, scale: float,
                 rows: list[int], out: torch.Tensor) -> None:  # fmt: skip
@@ -191,13 +189,14 @@ class CpuAttention(TorchAttention):
 
         return self._per_step("prefill", meta, rows, build)
 
-    def _per_step(self, kind: str, meta: AttentionMetadata, rows: list[int], build):
-        """``build()`` once per step (a new metadata object) and set of rows."""
-        key = tuple(rows)
-        hit = self._steps.get(kind)
-        if hit is None or hit[0] is not meta or hit[1] != key:
-            hit = self._steps[kind] = (meta, key, build())
-        return hit[2]
+    @staticmethod
+    def _per_step(kind: str, meta: AttentionMetadata, rows: list[int], build):
+        """``build()`` once a step (its metadata's ``step_cache``) and set of rows."""
+        key = ("cpu", kind, tuple(rows))
+        cache = meta.step_cache
+        if key not in cache:
+            cache[key] = build()
+        return cache[key]
 
     def _write_kv(self, k, v, kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor) -> None:
         k_cache, v_cache = kv_cache.layer(layer_idx)
