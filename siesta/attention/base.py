@@ -9,8 +9,9 @@ one V scale per layer (``kv_quant``): the scales are part of what the bytes mean
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ import torch
 from siesta.attention.kv_quant import KVScales, format_key, is_quantized
 
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -175,6 +177,12 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def once_a_step(self, key: tuple, make: Callable[[], _T]) -> _T:
+        """``make()`` for the step's first layer; the others read it back (``step_cache``)."""
+        if key not in self.step_cache:
+            self.step_cache[key] = make()
+        return self.step_cache[key]
 
     @property
     def is_decode_only(self) -> bool:

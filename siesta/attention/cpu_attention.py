@@ -187,16 +187,7 @@ class CpuAttention(TorchAttention):
                 _contiguous_tables(meta),
             )
 
-        return self._per_step("prefill", meta, rows, build)
-
-    @staticmethod
-    def _per_step(kind: str, meta: AttentionMetadata, rows: list[int], build):
-        """``build()`` once a step (its metadata's ``step_cache``) and set of rows."""
-        key = ("cpu", kind, tuple(rows))
-        cache = meta.step_cache
-        if key not in cache:
-            cache[key] = build()
-        return cache[key]
+        return meta.once_a_step(("cpu", "prefill", tuple(rows)), build)
 
     def _write_kv(self, k, v, kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor) -> None:
         k_cache, v_cache = kv_cache.layer(layer_idx)
@@ -225,7 +216,7 @@ class CpuAttention(TorchAttention):
                 torch.tensor(bounds, dtype=torch.int64),
             )
 
-        return self._per_step("decode", meta, rows, build)
+        return meta.once_a_step(("cpu", "decode", tuple(rows)), build)
 
     @staticmethod
     def _takes(q: torch.Tensor, k_cache: torch.Tensor, out: torch.Tensor) -> bool:
@@ -309,7 +300,7 @@ class BatchInvariantCpuAttention(CpuAttention):
                     torch.tensor(length, dtype=torch.int64), _contiguous_tables(meta), bounds,
                     torch.tensor(bounds, dtype=torch.int64))  # fmt: skip
 
-        return self._per_step("tokens", meta, [], build)
+        return meta.once_a_step(("cpu", "tokens"), build)
 
     def refusal(self, num_q_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
         """Why these heads cannot run deterministically here, or None."""

@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -62,24 +60,13 @@ SDPA_PREFILL_MIN_TOKENS: int | None = 2048
 
 
 
-_T = TypeVar("_T")
-
-
-def _once_a_step(meta: AttentionMetadata, key: tuple, make: Callable[[], _T]) -> _T:
-    """``make()`` for the step's first layer; the others read it back (``meta.step_cache``)."""
-    cache = meta.step_cache
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
-
-
 def _scratch(meta: AttentionMetadata, key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """An fp32 buffer the step's layers share: they run one after another on one stream. Under
     CUDA-graph capture each layer takes its own from the graph's pool, since a buffer cached at
     the warm-up would be freed with its metadata while the graph still writes it."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.empty(shape, dtype=torch.float32, device=device)
-    return _once_a_step(meta, ("scratch", key, shape), lambda: torch.empty(shape, dtype=torch.float32, device=device))
+    return meta.once_a_step(("scratch", key, shape), lambda: torch.empty(shape, dtype=torch.float32, device=device))
 
 
 def _merge_width(num_splits: int) -> int:
@@ -251,7 +238,7 @@ class TritonAttention:
         """Whether this batch takes the SDPA path: CUDA, fresh prefills only, all long enough."""
         if self.sdpa_prefill_min_tokens is None or not q.is_cuda:
             return False
-        return _once_a_step(meta, ("sdpa", self.sdpa_prefill_min_tokens), lambda: self._all_long_and_fresh(meta))
+        return meta.once_a_step(("sdpa", self.sdpa_prefill_min_tokens), lambda: self._all_long_and_fresh(meta))
 
     def _all_long_and_fresh(self, meta: AttentionMetadata) -> bool:
         assert self.sdpa_prefill_min_tokens is not None
@@ -348,7 +335,7 @@ class TritonAttention:
         """
         key = ("mixed", self.decode_splits, self.mixed_decode_min_splits, self.prefill_splits, *q.shape[1:],
                k_cache.dtype, k_cache.shape[2])  # fmt: skip
-        plan = _once_a_step(meta, key, lambda: self.mixed_plan(q, k_cache, meta))
+        plan = meta.once_a_step(key, lambda: self.mixed_plan(q, k_cache, meta))
         if plan.prefill_splits > 1:
             # Decode rows first: the per-token merge skips them, so the order is free, and
             # this one lets the tests catch a merge that would clobber them.
