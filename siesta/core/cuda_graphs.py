@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,6 +24,17 @@ logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 NO_SLOT = -1  # the KV-write kernel skips negative slots
+_T = TypeVar("_T")
+
+
+def capture_graph(fn: Callable[[], _T], pool: Any) -> tuple[torch.cuda.CUDAGraph, _T, Any]:
+    """``fn`` captured as a graph allocating from ``pool`` (None: a new one): the graph, what
+    ``fn`` returned, and the pool, for the graphs captured after it to share. Graphs sharing a
+    pool must replay one after another, never overlapping."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out, pool if pool is not None else graph.pool()
 
 
 @dataclass
@@ -82,12 +95,9 @@ class DecodeGraphs:
             ids, pos = self.buf.input_ids[:b], self.buf.positions[:b]
             self.model(ids, pos, self.kv_cache, meta)  # warm-up: compile kernels outside the capture
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[b] = self.model(ids, pos, self.kv_cache, meta)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[b] = graph
+            self.graphs[b], self.outputs[b], self.pool = capture_graph(
+                lambda: self.model(ids, pos, self.kv_cache, meta), self.pool
+            )
         torch.cuda.synchronize()
         logger.info("captured %d decode graphs in %.1fs", len(self.graphs), time.perf_counter() - t0)
 

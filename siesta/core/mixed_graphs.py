@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from siesta.attention.base import AttentionMetadata, KVCache
+from siesta.core.cuda_graphs import capture_graph
 from siesta.model.interface import CausalModel
 
 logger = logging.getLogger(__name__)
@@ -127,12 +128,9 @@ class MixedGraphs:
             meta = self._stand_in(bucket)
             self._forward(bucket, meta)  # warm-up: compile kernels outside the capture
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bucket] = self._forward(bucket, meta)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bucket] = graph
+            self.graphs[bucket], self.outputs[bucket], self.pool = capture_graph(
+                lambda: self._forward(bucket, meta), self.pool
+            )
         torch.cuda.synchronize()
         logger.info("captured %d mixed-step graphs in %.1fs", len(self.graphs), time.perf_counter() - t0)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from siesta.attention.base import AttentionMetadata, KVCache
+from siesta.core.cuda_graphs import capture_graph
 from siesta.model.interface import CausalModel
 
 logger = logging.getLogger(__name__)
@@ -121,13 +122,9 @@ class PiecewiseGraphs:
             torch.cuda.synchronize()
             pieces = []
             for index in range(self.num_pieces):
-                graph = torch.cuda.CUDAGraph()
                 # One pool for every piece: they run one after another, and each piece's
                 # temporaries are dead once its outputs are in the buffers.
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._piece(index, b)
-                if self.pool is None:
-                    self.pool = graph.pool()
+                graph, _, self.pool = capture_graph(lambda i=index: self._piece(i, b), self.pool)
                 pieces.append(graph)
             self.graphs[b] = pieces
         torch.cuda.synchronize()

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from forward_paths import both_paths, dummy_inputs
 
 from siesta import LLM
 from siesta.core.mixed_graphs import MixedGraphs
-from siesta.core.model_runner import ModelRunner, StepInputs
+from siesta.core.model_runner import ModelRunner
 
 CUDA = torch.cuda.is_available()
 # (cached, new) tokens per request: an extend over a prefix spanning blocks beside decode rows
@@ -31,25 +32,6 @@ def _graphs(runner: ModelRunner, max_tokens: int = 64, max_reqs: int = 16, max_m
             ) -> MixedGraphs:  # fmt: skip
     return MixedGraphs(runner.model, runner.kv_cache, max_tokens, max_reqs, max_model_len, runner.block_size,
                        use_graphs=False)  # fmt: skip
-
-
-def _inputs(runner: ModelRunner, specs: list[tuple[int, int]]) -> StepInputs:
-    return runner._dummy_inputs(specs, runner.kv_cache.num_blocks, writes=True, seed=sum(q for _, q in specs))
-
-
-def _both_paths(runner: ModelRunner, run_step, specs) -> tuple[torch.Tensor, ...]:
-    """(eager hidden, eager cache, stepped hidden, stepped cache) from the same starting cache."""
-    cache = runner.kv_cache.tensor
-    torch.manual_seed(0)
-    start = torch.randn(cache.shape, dtype=torch.float32).to(cache.dtype).to(cache.device)
-    inputs = _inputs(runner, specs)
-    with torch.inference_mode():
-        cache.copy_(start)
-        eager = runner.model(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta).clone()
-        eager_cache = cache.clone()
-        cache.copy_(start)
-        stepped = run_step(inputs).clone()
-    return eager, eager_cache, stepped, cache.clone()
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +58,7 @@ def test_a_bucket_stand_in_over_padded_rows_matches_the_eager_forward(eager_runn
     assert graphs.bucket_for(sum(q for _, q in specs), len(specs)) == bucket
     plan = _stand_in_plan(eager_runner, graphs, bucket)
     assert (plan.prefill_splits > 1 and plan.decode_splits > 1) == (plan_len > MAX_MODEL_LEN)
-    eager, eager_cache, stepped, stepped_cache = _both_paths(
+    eager, eager_cache, stepped, stepped_cache = both_paths(
         eager_runner, lambda i: graphs.run(i.input_ids, i.positions, i.meta), specs
     )
     assert not stepped.isnan().any()
@@ -97,7 +79,7 @@ def test_buckets_hold_a_stand_in_below_the_budget_and_the_batch_limit(eager_runn
 
 def test_a_step_no_bucket_holds_is_left_to_the_pieces(eager_runner) -> None:
     graphs = _graphs(eager_runner, max_tokens=32, max_reqs=4)
-    inputs = _inputs(eager_runner, [(0, 33)])  # past the budget's bucket (a forced chunk, say)
+    inputs = dummy_inputs(eager_runner, [(0, 33)])  # past the budget's bucket (a forced chunk, say)
     assert graphs.run(inputs.input_ids, inputs.positions, inputs.meta) is None
 
 
@@ -107,7 +89,7 @@ def test_the_runner_replays_few_token_steps_whole(eager_runner, monkeypatch: pyt
         served = []
         run = eager_runner.mixed_graphs.run
         monkeypatch.setattr(eager_runner.mixed_graphs, "run", lambda *a: served.append(a[0].shape[0]) or run(*a))
-        eager, _, stepped, _ = _both_paths(eager_runner, eager_runner._forward, RESUME)
+        eager, _, stepped, _ = both_paths(eager_runner, eager_runner._forward, RESUME)
         assert served == [sum(q for _, q in RESUME)]
         torch.testing.assert_close(stepped, eager, rtol=1e-5, atol=1e-5)
     finally:
@@ -126,7 +108,7 @@ def test_engine_replays_whole_graphs_for_few_token_steps(specs) -> None:
     runner = _runner("cuda", "bfloat16", enforce_eager=False)
     graphs = runner.mixed_graphs
     assert graphs is not None and len(graphs.graphs) == len(graphs.buckets)
-    eager, eager_cache, stepped, stepped_cache = _both_paths(runner, runner._forward, specs)
+    eager, eager_cache, stepped, stepped_cache = both_paths(runner, runner._forward, specs)
     # bf16: the padded rows change the matmuls' shapes, so cuBLAS may sum in another order.
     torch.testing.assert_close(stepped.float(), eager.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(stepped_cache.float(), eager_cache.float(), rtol=2e-2, atol=2e-2)

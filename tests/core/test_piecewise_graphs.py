@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from forward_paths import both_paths, dummy_inputs
 
 from siesta import LLM
-from siesta.core.model_runner import ModelRunner, StepInputs
+from siesta.core.model_runner import ModelRunner
 from siesta.core.piecewise_graphs import PiecewiseGraphs
 
 CUDA = torch.cuda.is_available()
@@ -22,31 +23,12 @@ def _runner(device: str, dtype: str, backend: str, enforce_eager: bool) -> Model
     return llm.engine.runner
 
 
-def _inputs(runner: ModelRunner, specs: list[tuple[int, int]]) -> StepInputs:
-    return runner._dummy_inputs(specs, runner.kv_cache.num_blocks, writes=True, seed=sum(q for _, q in specs))
-
-
-def _both_paths(runner: ModelRunner, run_pieces, specs) -> tuple[torch.Tensor, ...]:
-    """(eager hidden, eager cache, piecewise hidden, piecewise cache) from the same starting cache."""
-    cache = runner.kv_cache.tensor
-    torch.manual_seed(0)
-    start = torch.randn(cache.shape, dtype=torch.float32).to(cache.dtype).to(cache.device)
-    inputs = _inputs(runner, specs)
-    with torch.inference_mode():
-        cache.copy_(start)
-        eager = runner.model(inputs.input_ids, inputs.positions, runner.kv_cache, inputs.meta).clone()
-        eager_cache = cache.clone()
-        cache.copy_(start)
-        pieces = run_pieces(inputs).clone()
-    return eager, eager_cache, pieces, cache.clone()
-
-
 @pytest.mark.parametrize("specs", [MIXED, WIDER], ids=["bucket16", "bucket32"])
 def test_pieces_through_the_buffers_match_the_eager_forward(specs) -> None:
     runner = _runner("cpu", "float32", "torch", enforce_eager=True)
     graphs = PiecewiseGraphs(runner.model, runner.kv_cache, max_tokens=64, use_graphs=False)
     assert graphs.bucket_for(sum(q for _, q in specs)) in (16, 32)
-    eager, eager_cache, pieces, pieces_cache = _both_paths(
+    eager, eager_cache, pieces, pieces_cache = both_paths(
         runner, lambda inputs: graphs.run(inputs.input_ids, inputs.positions, inputs.meta), specs
     )
     torch.testing.assert_close(pieces, eager, rtol=1e-5, atol=1e-5)
@@ -68,7 +50,7 @@ def test_the_runner_sends_steps_with_prefill_rows_through_the_pieces(monkeypatch
     served = []
     run = runner.piecewise.run
     monkeypatch.setattr(runner.piecewise, "run", lambda *a: served.append(a[0].shape[0]) or run(*a))
-    eager, _, pieces, _ = _both_paths(runner, runner._forward, MIXED)
+    eager, _, pieces, _ = both_paths(runner, runner._forward, MIXED)
     assert served == [sum(q for _, q in MIXED)]
     torch.testing.assert_close(pieces, eager, rtol=1e-5, atol=1e-5)
 
@@ -76,7 +58,7 @@ def test_the_runner_sends_steps_with_prefill_rows_through_the_pieces(monkeypatch
 def test_a_step_past_the_largest_bucket_is_left_to_the_eager_path() -> None:
     runner = _runner("cpu", "float32", "torch", enforce_eager=True)
     graphs = PiecewiseGraphs(runner.model, runner.kv_cache, max_tokens=32, use_graphs=False)
-    inputs = _inputs(runner, [(0, 33)])
+    inputs = dummy_inputs(runner, [(0, 33)])
     assert graphs.run(inputs.input_ids, inputs.positions, inputs.meta) is None
 
 
@@ -87,7 +69,7 @@ def test_engine_replays_captured_pieces_for_steps_with_prefill_rows(specs) -> No
     graphs = runner.piecewise
     assert graphs is not None and len(graphs.graphs) == len(graphs.buckets)
     assert all(len(pieces) == runner.model.shape.num_layers + 1 for pieces in graphs.graphs.values())
-    eager, eager_cache, pieces, pieces_cache = _both_paths(runner, runner._forward, specs)
+    eager, eager_cache, pieces, pieces_cache = both_paths(runner, runner._forward, specs)
     # bf16: the padded rows change the matmuls' shapes, so cuBLAS may sum in another order.
     torch.testing.assert_close(pieces.float(), eager.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(pieces_cache.float(), eager_cache.float(), rtol=2e-2, atol=2e-2)
