@@ -177,6 +177,9 @@ class SchedulerConfig:
     # them on the device), so the host's work of a step overlaps the device's. None: on where
     # the device runs ahead of the host (CUDA), off on the CPU, whose ops finish as they return.
     async_scheduling: bool | None = None
+    # Under async scheduling, a request whose tier loads are expected to land before the step
+    # scheduled now starts on the device joins it, which waits for them there (core/step_lead.py).
+    join_loads_ahead: bool = True
     # Engine requests (prompts x n of every HTTP request) that may wait to be scheduled; past
     # this the engine refuses new ones (HTTP 429 with Retry-After) instead of queueing for hours.
     max_waiting_requests: int = 4096

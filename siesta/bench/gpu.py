@@ -211,6 +211,16 @@ def _triton_variants() -> int:
     return count
 
 
+def _joined_ahead(llm) -> list[str]:
+    """From now on, the requests that joined a step before their loads landed."""
+    joined: list[str] = []
+    connector = llm.engine.connector
+    if connector is not None:
+        join_ahead = connector.join_ahead
+        connector.join_ahead = lambda within_s: joined.extend(ids := join_ahead(within_s)) or ids
+    return joined
+
+
 def _timed_forwards(llm) -> tuple[list[float], list[tuple[float, float]]]:
     """From now on, wall seconds of each model step (synchronized), to tell compute from
     waiting, and per step the seconds spent issuing tier copies and in the forward."""
@@ -269,33 +279,42 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
     forwards, parts = _timed_forwards(llm)
     piecewise, whole = runner.piecewise, runner.mixed_graphs
     # Both arms with the engine's defaults, then more of the kept tier: without async
-    # scheduling, with steps that have prefill rows run eagerly, and with those steps all in
-    # piecewise graphs (none replayed whole). Each: (name, keep, pieces, whole, run ahead).
-    default_async = llm.config.scheduler.async_scheduling
-    configs = [("cleared", False, True, True, default_async), ("kept", True, True, True, default_async)]
+    # scheduling, with steps that have prefill rows run eagerly, with those steps all in
+    # piecewise graphs (none replayed whole), and with no request joining a step before its
+    # loads landed. Each: (name, keep, pieces, whole, run ahead, join ahead).
+    sched_cfg = llm.config.scheduler
+    default_async, default_join = sched_cfg.async_scheduling, sched_cfg.join_loads_ahead
+    configs = [("cleared", False, True, True, default_async, default_join),
+               ("kept", True, True, True, default_async, default_join)]  # fmt: skip
     if args.resume_variants:
-        configs += [("kept_sync", True, True, True, False), ("kept_eager", True, False, False, default_async)]
+        configs += [("kept_sync", True, True, True, False, default_join),
+                    ("kept_eager", True, False, False, default_async, default_join)]  # fmt: skip
     if args.resume_pieces_arm:
-        configs += [("kept_pieces", True, True, False, default_async)]
-    for seed, (name, keep, pieces, whole_steps, run_ahead) in enumerate(configs):
+        configs += [("kept_pieces", True, True, False, default_async, default_join)]
+    if args.resume_join_arm:
+        configs += [("kept_no_join", True, True, True, default_async, False)]
+    joined = _joined_ahead(llm)
+    for seed, (name, keep, pieces, whole_steps, run_ahead, join_ahead) in enumerate(configs):
         ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, vocab, seed=100 + seed)
         variants = _triton_variants()
         forwards.clear()
         parts.clear()
         runner.piecewise = piecewise if pieces else None
         runner.mixed_graphs = whole if whole_steps else None
-        llm.config.scheduler.async_scheduling = run_ahead
+        sched_cfg.async_scheduling, sched_cfg.join_loads_ahead = run_ahead, join_ahead
+        joined.clear()
         replays = args.resume_replays if name == "kept" else 1
         arms[name] = run_arm(llm, keep, ps, max_tokens=RESUME_NEW_TOKENS, replays=replays)
         arms[name]["triton_variants_compiled"] = _triton_variants() - variants
         arms[name]["forward_s"] = list(forwards)  # warm-up's and replay's steps
         arms[name]["copies_forward_s"] = list(parts)
+        arms[name]["joined_ahead"] = len(joined)  # over the warm-up and every replay
     runner.piecewise, runner.mixed_graphs = piecewise, whole
-    llm.config.scheduler.async_scheduling = default_async
+    sched_cfg.async_scheduling, sched_cfg.join_loads_ahead = default_async, default_join
     for name in ("launch", "_forward"):
         delattr(runner, name)
     if runner.connector is not None:
-        for name in ("run_loads", "run_stores"):
+        for name in ("run_loads", "run_stores", "join_ahead"):
             delattr(runner.connector, name)
     kept = arms["kept"]["metric_delta"]
     load_bytes = kept.get('siesta_kv_offload_load_bytes_total{tier="host"}', 0.0)
@@ -308,10 +327,13 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token": kv_per_token,
         "cleared": arms["cleared"],
         "kept": arms["kept"],
-        **{name: arms[name] for name in ("kept_sync", "kept_eager", "kept_pieces") if name in arms},
+        **{name: arms[name] for name in ("kept_sync", "kept_eager", "kept_pieces", "kept_no_join") if name in arms},
         **({"kept_pieces_p50_over_floor": arms["kept_pieces"]["replay_p50_s"] / floor["floor_p50_s"],
             "kept_pieces_over_kept_p50": arms["kept_pieces"]["replay_p50_s"] / arms["kept"]["replay_p50_s"]}
            if "kept_pieces" in arms else {}),
+        **({"kept_no_join_p50_over_floor": arms["kept_no_join"]["replay_p50_s"] / floor["floor_p50_s"],
+            "kept_no_join_over_kept_p50": arms["kept_no_join"]["replay_p50_s"] / arms["kept"]["replay_p50_s"]}
+           if "kept_no_join" in arms else {}),
         "async_scheduling": default_async,
         "speedup_p50": arms["cleared"]["replay_p50_s"] / arms["kept"]["replay_p50_s"],
         **({"speedup_p50_kept_sync": arms["cleared"]["replay_p50_s"] / arms["kept_sync"]["replay_p50_s"],
@@ -1071,6 +1093,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="resume: also the kept arm without async scheduling and with eager mixed steps")
     ap.add_argument("--resume-pieces-arm", action=argparse.BooleanOptionalAction, default=False,
                     help="resume: also the kept arm with every step that has prefill rows in piecewise graphs")
+    ap.add_argument("--resume-join-arm", action=argparse.BooleanOptionalAction, default=False,
+                    help="resume: also the kept arm with no request joining a step before its loads landed")
     ap.add_argument("--tier-block-size", type=int, default=128)
     ap.add_argument("--tier-bytes", type=int, default=48 << 30)
     ap.add_argument("--load-window-mib", type=int, default=None, help="the tier's load window (default: its own)")

@@ -32,6 +32,7 @@ from siesta.core.pause_state import ABORT, WAIT, PauseState, check_pause_mode, c
 from siesta.core.ranks import RankedMemory, Ranks
 from siesta.core.scheduler import Scheduler, SchedulerOutput
 from siesta.core.sleep_memory import SleepMemory
+from siesta.core.step_lead import StepLead
 from siesta.core.step_trace import StepTrace
 from siesta.core.weight_versions import WeightVersions
 from siesta.core.weights import WeightUpdates
@@ -97,6 +98,8 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []
         # The step launched last whose samples the host has not read yet (async scheduling).
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        # When the step scheduled next starts on the device: loads landing by then join it.
+        self._lead = StepLead()
         self.pause_state = PauseState()
         # The parts hold no reference back to the engine, so that dropping it frees its memory at once.
         self.admission = Admission(self.scheduler, self._limits(), self.eos_token_ids,
@@ -233,7 +236,7 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         if not self._may_run_ahead():
             outputs.extend(self._finish_inflight())
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._join_within_s())
         if self._trace is not None:
             self._traced = sched
         if sched.is_empty:
@@ -251,14 +254,22 @@ class EngineCore:
         self.scheduler.mark_unseen(sched)
         self._inflight = (sched, launched)
         if prev is not None:  # read back while the device runs the step just launched
-            outputs.extend(self._finish_step(prev))
+            outputs.extend(self._finish_step(prev, chained=True))
         if not self.config.scheduler.async_scheduling:
             outputs.extend(self._finish_inflight())
         return outputs
 
+    def _join_within_s(self) -> float:
+        """How long until the step scheduled now starts on the device (``core/step_lead.py``);
+        0 with no step in flight, whose end it would start at."""
+        if self._inflight is None or not self.config.scheduler.join_loads_ahead:
+            return 0.0
+        return self._lead.seconds()
+
     def _run_transfers_only(self, sched: SchedulerOutput) -> None:
         """A step with nothing to compute: the last forward's blocks still go out and loads
         start, or it waits a little for transfers in flight."""
+        self.runner.wait_for_landings(sched.transfers)  # later steps must not run ahead of them
         if sched.transfers:
             self.connector.run_stores(sched.transfers, self.runner.kv_cache)
             self.connector.run_loads(sched.transfers, self.runner.kv_cache)
@@ -277,10 +288,14 @@ class EngineCore:
         step, self._inflight = self._inflight, None
         return self._finish_step(step)
 
-    def _finish_step(self, step: tuple[SchedulerOutput, LaunchedStep]) -> list[EngineCoreOutput]:
+    def _finish_step(
+        self, step: tuple[SchedulerOutput, LaunchedStep], chained: bool = False
+    ) -> list[EngineCoreOutput]:
+        """Read the step back; ``chained``: the next step is already queued behind it."""
         sched, launched = step
         try:
             samples = launched.results()
+            self._lead.read_back(chained)
             prompt_logprobs = launched.prompt_logprobs()
         except Exception as e:  # noqa: BLE001 - the step's requests fail, the engine goes on
             return self._fail_step(sched, e)

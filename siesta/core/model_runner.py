@@ -51,7 +51,7 @@ from siesta.model.loader import ModelSource
 from siesta.parallel import SINGLE, TensorParallel
 from siesta.request import TOKEN_TYPECODE, EngineCoreOutput, PromptLogprobs, Request
 from siesta.sampling import SamplingParams
-from siesta.tiers.base import KVConnector
+from siesta.tiers.base import KVConnector, StepTransfers
 
 logger = logging.getLogger(__name__)
 
@@ -452,6 +452,7 @@ class ModelRunner:
         (a step refused before that costs them nothing) to run it beside this rank."""
         if sched.is_empty:
             return LaunchedStep([], None)
+        self.wait_for_landings(sched.transfers)  # first: nothing after it may run ahead of them
         plan, sampled = self._plan(sched, prev)
         if peers is None:
             return self._launch_planned(sched, plan, sampled, prev)
@@ -492,6 +493,15 @@ class ModelRunner:
         rows = [self._sampling_row(item.request) for item in inputs.sampled]
         samples = self.sampler.sample(logits, rows, prompt)
         return LaunchedStep([item.request.request_id for item in inputs.sampled], samples, prompt_ids, routing)
+
+    def wait_for_landings(self, transfers: StepTransfers | None) -> None:
+        """The compute stream waits for the loads of requests that joined before landing: this
+        step's forward and every later one read their blocks after the copies. (On the CPU a
+        copy has landed when issued: no request joins ahead of one.)"""
+        if transfers is not None and transfers.waits and self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            for event in transfers.waits:
+                stream.wait_event(event)
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> None:

@@ -70,6 +70,9 @@ class Scheduler:
         self.held = 0  # requests the engine holds back while paused: they wait too
         # Holding blocks, waiting for their tier loads to land before computing.
         self.loading: dict[str, Request] = {}
+        # Running, joined before their loads landed (``join_within_s``): their blocks may not be
+        # freed until the loads land.
+        self.landing: set[str] = set()
         self.connector: KVConnector | None = None
         self._finished_ids: set[str] = set()
         # Preempted outside schedule() (e.g. by a pause); reported by the next schedule().
@@ -110,10 +113,13 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, join_within_s: float = 0.0) -> SchedulerOutput:
+        """The next step. ``join_within_s``: how long until it starts on the device (the step
+        before it still running there); loading requests expected to land by then join it,
+        and it waits for their landing on the device."""
         out = SchedulerOutput(finished_req_ids=self._finished_ids, preempted_req_ids=self._preempted_ids)
         self._finished_ids, self._preempted_ids = set(), set()
-        self._join_loaded()
+        self._join_loaded(join_within_s)
         preempted_before = len(out.preempted_req_ids)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
@@ -192,21 +198,33 @@ class Scheduler:
         self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_cached, num_external)
         return True
 
-    def _join_loaded(self) -> None:
-        """Requests whose tier loads landed join the running batch."""
-        if self.connector is None or not self.loading:
+    def _join_loaded(self, join_within_s: float = 0.0) -> None:
+        """Requests whose tier loads landed join the running batch, and those expected to land
+        within ``join_within_s``. Their blocks are published at once: whoever reads them is
+        in this step or a later one, which the device runs after the landing."""
+        if self.connector is None or not (self.loading or self.landing):
             return
         for request_id in self.connector.finished_loads():
-            request = self.loading.pop(request_id, None)
-            if request is None:
-                continue
-            self.kv.publish(request, request.num_computed_tokens)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if request_id not in self.landing:
+                self._join(request_id)
+            self.landing.discard(request_id)
+        if join_within_s > 0 and self.loading:
+            for request_id in self.connector.join_ahead(join_within_s):
+                if self._join(request_id):
+                    self.landing.add(request_id)
+
+    def _join(self, request_id: str) -> bool:
+        request = self.loading.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv.publish(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
 
     def _settle_loads(self) -> None:
         """Finish every load in flight, so that the blocks they write may be freed."""
-        if self.loading:
+        if self.loading or self.landing:
             self.connector.wait_for_loads()
             self._join_loaded()
 
@@ -251,6 +269,8 @@ class Scheduler:
                 item.request.num_unseen += 1
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        if request.request_id in self.landing:
+            self._settle_loads()  # its blocks are being written: let that end before freeing them
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -330,7 +350,7 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> EngineCoreOutput:
-        if request.request_id in self.loading:
+        if request.request_id in self.loading or request.request_id in self.landing:
             self._settle_loads()  # its blocks are being written: let that end before freeing them
         request.status = status
         if self.connector is not None and status is RequestStatus.FINISHED_ERROR:

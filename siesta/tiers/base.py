@@ -136,6 +136,9 @@ class StepTransfers:
     # The compute the copies wait for: the forwards that filled the stored blocks and the last
     # ones that read the blocks loads overwrite. None: all queued when the copies are issued.
     after: Any = None
+    # Loads of requests that joined this step before landing (``join_ahead``): the step's
+    # forward waits for these events on the device, and so does every step queued after it.
+    waits: list[Any] = field(default_factory=list)
 
     def mark(self, event: Any) -> None:
         """Set ``after`` here and in every child's share."""
@@ -240,6 +243,13 @@ class KVConnector(ABC):
 
     def finished_loads(self) -> list[str]:
         """Requests whose loads have landed since the last call: they may compute now."""
+        return []
+
+    def join_ahead(self, within_s: float) -> list[str]:
+        """Loading requests whose loads are expected to land within ``within_s`` (when the step
+        scheduled now starts on the device): they may join it, which then waits for their
+        landing on the device (``StepTransfers.waits``); ``finished_loads`` still reports them
+        once they land. Empty where the landing cannot be waited for on the device."""
         return []
 
     def wait_for_loads(self) -> None:

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -35,6 +35,10 @@ from siesta.device_activity import DEVICE_WORK
 from siesta.tiers.transfer import BlockCopier, CopyHandle
 
 logger = logging.getLogger(__name__)
+
+# How much each landed call moves the link rate the feeder predicts landings at: a few calls
+# (a few ms of link) settle it, one late wake-up of the thread does not.
+RATE_WEIGHT = 0.25
 
 # A window is issued in this many chunks: the feeder tops it up one chunk at a time,
 # so a late wake-up (the GIL held by the step loop, up to its 5 ms switch interval)
@@ -63,6 +67,7 @@ class _Chunk:
 class _Issued:
     chunks: list[_Chunk]  # queued chunks of several small jobs go out in one call
     handle: CopyHandle
+    issued_at: float  # time.perf_counter()
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +96,10 @@ class CopyFeeder:
         # not diluted by the idle time between resumes.
         self._busy_s = 0.0
         self._busy_since: float | None = None
+        # The link as this feeder sees it: when the oldest call in flight began to move (its
+        # issue, or the landing of the call before it), and bytes a second over landed calls.
+        self._head_since: float | None = None
+        self._bytes_per_s: float | None = None
         if threaded:
             device = copier.device
             if device.type == "cuda" and device.index is None:  # the thread's own default is device 0
@@ -152,6 +161,27 @@ class CopyFeeder:
         with self._lock:
             return self._issued_bytes + self._queued_bytes
 
+    def landing_within(self, horizon_s: float) -> list[tuple[object, Any]]:
+        """Jobs whose last copies are issued and, at the rate calls have landed at so far, land
+        within ``horizon_s`` from now: (job id, the event their landing records), in landing
+        order. Calls move one after another on the copy stream, so a call lands once those
+        before it have."""
+        with self._lock:
+            self._raise_error()
+            self._pump()
+            if not self._bytes_per_s or not self._issued:
+                return []
+            now = time.perf_counter()
+            lands_in = self._head_since - now  # the head call has been moving this long
+            jobs: list[tuple[object, Any]] = []
+            for call in self._issued:
+                lands_in += call.nbytes / self._bytes_per_s
+                event = self.copier.ready_event(call.handle)
+                if lands_in > horizon_s or event is None:
+                    break
+                jobs.extend((c.job_id, event) for c in call.chunks if c.last)
+            return jobs
+
     def busy(self) -> bool:
         with self._lock:
             return bool(self._queue or self._issued or self._landed)
@@ -199,9 +229,12 @@ class CopyFeeder:
                 chunks.append(self._queue.popleft())
             nbytes = sum(c.nbytes for c in chunks)
             self._queued_bytes -= nbytes
+            now = time.perf_counter()
             if self._busy_since is None:
-                self._busy_since = time.perf_counter()  # before the issue: on CPU the copy runs in it
-            self._issued.append(_Issued(chunks, self._issue(chunks)))
+                self._busy_since = now  # before the issue: on CPU the copy runs in it
+            if not self._issued:
+                self._head_since = now
+            self._issued.append(_Issued(chunks, self._issue(chunks), now))
             self._issued_bytes += nbytes
             if self.trace is not None:
                 _trace_issued(self.trace, chunks)
@@ -224,13 +257,25 @@ class CopyFeeder:
         return self.copier.store_parts(parts, kv, after=after)
 
     def _retire(self, issued: _Issued) -> None:
+        """The oldest call landed (already off ``_issued``)."""
         self._issued_bytes -= issued.nbytes
+        now = time.perf_counter()
+        self._measure_rate(issued.nbytes, now)
+        self._head_since = max(self._issued[0].issued_at, now) if self._issued else None
         landed = [c.job_id for c in issued.chunks if c.last]
         self._landed.extend(landed)
         if self.trace is not None:
             now = time.perf_counter()
             for job_id in landed:
                 self.trace("landed", job_id, now)
+
+    def _measure_rate(self, nbytes: int, landed_at: float) -> None:
+        moved_s = landed_at - self._head_since if self._head_since is not None else 0.0
+        if moved_s <= 0:
+            return
+        rate = nbytes / moved_s
+        last = self._bytes_per_s
+        self._bytes_per_s = rate if last is None else last + RATE_WEIGHT * (rate - last)
 
     def _raise_error(self) -> None:
         if self._error is not None:

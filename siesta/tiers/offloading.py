@@ -165,6 +165,10 @@ class OffloadingConnector(KVConnector):
         self._inflight_stores = 0  # handed to the feeder, not landed yet
         self._loading: dict[str, LoadJob] = {}  # handed to the feeder, not landed yet
         self._landed: list[str] = []  # requests whose loads finished, for the scheduler to pick up
+        # Loading requests that joined a step before their loads landed: the events that step's
+        # forward waits for on the device (build_step), and who is still on its way.
+        self._landing_waits: list[Any] = []
+        self._joined_ahead: set[str] = set()
         self._disk_writes: list[tuple[BlockHash, Future[DiskWrite]]] = []
         self._evictions_seen = {"host": 0, "disk": self.disk.evictions if self.disk is not None else 0}
         self._damaged_seen = 0  # the files the disk tier deleted at start count in the first report
@@ -281,8 +285,9 @@ class OffloadingConnector(KVConnector):
         # Stores planned last step read blocks the last forward filled: issue them now. A
         # preempted request's stores go with them (flushed); a load it got in this very
         # step, resuming, is its own job (started at its admission) and is left alone.
-        transfers = StepTransfers(stores=self._planned, loads=list(self._pending_loads.values()))
-        self._planned, self._pending_loads = [], {}
+        transfers = StepTransfers(stores=self._planned, loads=list(self._pending_loads.values()),
+                                  waits=self._landing_waits)  # fmt: skip
+        self._planned, self._pending_loads, self._landing_waits = [], {}, []
         for request_id in sched.preempted_req_ids | sched.finished_req_ids:
             self._stored_upto.pop(request_id, None)
         for item in sched.scheduled:
@@ -382,6 +387,18 @@ class OffloadingConnector(KVConnector):
         self._loading[job.request_id] = job
         self.loads.submit(job.request_id, parts, kv_cache, after=after)
 
+    def join_ahead(self, within_s: float) -> list[str]:
+        # One rank's copies only: at tensor parallel > 1 each rank's landing is its own event.
+        if self.ctx.ranks is not None or within_s <= 0:
+            return []
+        joined = []
+        for request_id, event in self.load_feeder.landing_within(within_s):
+            if request_id in self._loading and request_id not in self._joined_ahead:
+                self._joined_ahead.add(request_id)
+                self._landing_waits.append(event)
+                joined.append(request_id)
+        return joined
+
     def wait_for_progress(self, timeout_s: float) -> None:
         """Block (releasing the GIL) until the oldest load chunk lands or ``timeout_s`` passes,
         for an engine with nothing to compute but loads in flight."""
@@ -405,6 +422,7 @@ class OffloadingConnector(KVConnector):
         for request_id in self.loads.landed():
             for piece in self._loading.pop(request_id).pieces:
                 self.host.unpin(piece.key)
+            self._joined_ahead.discard(request_id)
             self._landed.append(request_id)
         self._retire_disk_writes(block=False)
         self._record_usage()

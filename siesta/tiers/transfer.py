@@ -125,6 +125,14 @@ class BlockCopier:
     def _event(handle: CopyHandle) -> torch.cuda.Event | None:
         return handle.result() if isinstance(handle, Future) else handle
 
+    @staticmethod
+    def ready_event(handle: CopyHandle) -> torch.cuda.Event | None:
+        """The event the copy's landing records, without waiting: None on CPU, and for a copy
+        the issuing thread has not issued yet."""
+        if isinstance(handle, Future):
+            return handle.result() if handle.done() else None
+        return handle
+
     @classmethod
     def done(cls, handle: CopyHandle) -> bool:
         if isinstance(handle, Future) and not handle.done():

@@ -72,6 +72,10 @@ class FakeCopier:
         return handle is None or handle.query()
 
     @staticmethod
+    def ready_event(handle):
+        return handle
+
+    @staticmethod
     def wait(handle) -> None:
         if isinstance(handle, _Held):
             handle.landed = True
@@ -273,3 +277,50 @@ def test_issuing_tier_copies_marks_the_device_busy(monkeypatch) -> None:
     feeder.submit("r0", job(0, 2), kv=None)
     feeder.wait_for_progress(0.01)
     assert clock.quiet_in(60.0) > 59.0
+
+
+class FakeClock:
+    """``time.perf_counter`` for the feeder, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_jobs_landing_within_a_horizon_are_predicted_from_the_rate_calls_landed_at(monkeypatch) -> None:
+    from siesta.tiers import copy_feeder
+
+    clock = FakeClock()
+    monkeypatch.setattr(copy_feeder, "time", clock)
+    copier = FakeCopier(held=True)
+    feeder = CopyFeeder(copier, "in", 16 * BLOCK_BYTES, BLOCK_BYTES, threaded=False)  # calls of 4 blocks
+    for i in range(6):
+        feeder.submit(f"r{i}", job(10 * i, 4), kv=None)
+    assert len(copier.calls) == 4, "a window of four calls in flight, two jobs queued"
+    assert feeder.landing_within(1.0) == [], "no call has landed: no rate to predict with"
+    clock.now += 0.010  # the first call moves 4 blocks in 10 ms
+    copier.handles[0].landed = True
+    assert feeder.landed() == ["r0"]  # the next call goes out as it lands
+    clock.now += 0.004  # r1, now the head, has been moving 4 of its 10 ms
+    lands = feeder.landing_within(0.0165)
+    assert [job_id for job_id, _ in lands] == ["r1", "r2"], "r1 in 6 ms, r2 in 16, r3 in 26"
+    assert [event for _, event in lands] == copier.handles[1:3], "each job's own call's event"
+    assert [job_id for job_id, _ in feeder.landing_within(1.0)] == ["r1", "r2", "r3", "r4"], "r5 is not issued"
+
+
+def test_a_call_the_issuing_thread_has_not_issued_yet_stops_the_prediction(monkeypatch) -> None:
+    from siesta.tiers import copy_feeder
+
+    clock = FakeClock()
+    monkeypatch.setattr(copy_feeder, "time", clock)
+    copier = FakeCopier(held=True)
+    feeder = CopyFeeder(copier, "in", 16 * BLOCK_BYTES, BLOCK_BYTES, threaded=False)  # calls of 4 blocks
+    for i in range(3):
+        feeder.submit(f"r{i}", job(10 * i, 4), kv=None)
+    clock.now += 0.010
+    copier.handles[0].landed = True
+    feeder.landed()
+    monkeypatch.setattr(copier, "ready_event", lambda handle: None if handle is copier.handles[2] else handle)
+    assert [job_id for job_id, _ in feeder.landing_within(1.0)] == ["r1"]

@@ -465,6 +465,10 @@ class HeldCopier:
     def wait_for(handle, timeout_s: float) -> None:
         """A bounded wait lands nothing: only the test does."""
 
+    @staticmethod
+    def ready_event(handle):
+        return handle
+
 
 def test_loads_go_out_a_window_at_a_time_and_the_request_waits_for_the_last():
     llm = engine()  # block bytes first, to size the window in whole pieces
@@ -504,6 +508,83 @@ def _held_loads(llm: LLM, piece_bytes: int) -> HeldCopier:
     block_bytes = llm.engine.runner.kv_cache.block_bytes
     connector.loads = CopyFeeder(held, "in", piece_bytes, block_bytes, threaded=False)
     return held
+
+
+def _joining_ahead(llm: LLM, monkeypatch, piece_bytes: int) -> tuple[HeldCopier, list[tuple[set[str], list]]]:
+    """Held loads whose landings the engine predicts (the rate their first landings showed),
+    every step scheduled with a lead of 10 s; and per launched step, the requests it computes
+    and the events it waits for."""
+    held = _held_loads(llm, piece_bytes)
+    llm.engine.connector.load_feeder = llm.engine.connector.loads
+    monkeypatch.setattr(llm.engine, "_join_within_s", lambda: 10.0)
+    launched: list[tuple[set[str], list]] = []
+    launch = llm.engine.runner.launch
+
+    def spy(sched, *args, **kwargs):
+        launched.append(({item.request.request_id for item in sched.scheduled}, list(sched.transfers.waits)))
+        return launch(sched, *args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "launch", spy)
+    return held, launched
+
+
+def test_a_request_expected_to_land_before_its_step_starts_joins_it_and_the_step_waits_for_the_landing(monkeypatch):
+    llm = engine()
+    piece_bytes = (TIER_BLOCK // BLOCK) * llm.engine.runner.kv_cache.block_bytes
+    llm = engine(offload(load_window_bytes=piece_bytes))
+    ps = prompts(1)
+    ref = _resumed(llm, ps)
+    held, launched = _joining_ahead(llm, monkeypatch, piece_bytes)
+    scheduler = llm.engine.scheduler
+    rid = llm.add_request({"prompt_token_ids": ps[0]}, GREEDY)
+    pieces = (len(ps[0]) - 1) // TIER_BLOCK
+    llm.step()
+    while rid in scheduler.loading:
+        assert len(held.loads) < pieces, "joined once its last piece went out, not after"
+        held.loads[-1][0].landed = True
+        llm.step()
+    last = held.loads[-1][0]
+    assert len(held.loads) == pieces and not last.landed
+    assert scheduler.landing == {rid}, "running before its loads landed"
+    first_step = next(i for i, (ids, _) in enumerate(launched) if rid in ids)
+    assert launched[first_step][1] == [last], "the step that computes it first waits for its last piece"
+    assert all(not waits for _, waits in launched[first_step + 1 :])
+    outputs = []
+    while llm.engine.has_work():
+        last.landed = True
+        outputs.extend(o.outputs[0].token_ids for o in llm.step() if o.finished)
+    assert not scheduler.landing
+    assert outputs == ref
+
+
+def test_a_request_that_joined_ahead_keeps_its_blocks_until_its_loads_land(monkeypatch):
+    llm = engine()
+    piece_bytes = (TIER_BLOCK // BLOCK) * llm.engine.runner.kv_cache.block_bytes
+    llm = engine(offload(load_window_bytes=piece_bytes))
+    ps = prompts(2)
+    ref = _resumed(llm, ps)
+    held, _ = _joining_ahead(llm, monkeypatch, piece_bytes)
+    scheduler, pool = llm.engine.scheduler, llm.engine.kv.pool
+    free_before = pool.num_free_blocks
+    rid = llm.add_request({"prompt_token_ids": ps[0]}, GREEDY)
+    llm.step()
+    while rid not in scheduler.landing:
+        held.loads[-1][0].landed = True
+        llm.step()
+    last = held.loads[-1][0]
+    freed = []
+    free = pool.free
+    monkeypatch.setattr(pool, "free", lambda blocks: freed.append(last.landed) or free(blocks))
+    llm.abort([rid])
+    assert freed and all(freed), "its blocks went back only after its last copy landed"
+    assert not scheduler.landing and pool.num_free_blocks == free_before
+    ids = [llm.add_request({"prompt_token_ids": p}, GREEDY) for p in ps]  # the engine goes on
+    outputs = {}
+    while llm.engine.has_work():
+        outputs.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
+        for handle, _ in held.loads:
+            handle.landed = True
+    assert [outputs[i] for i in ids] == ref
 
 
 def _resumed(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
