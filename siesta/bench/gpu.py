@@ -291,8 +291,9 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
                     ("kept_eager", True, False, False, default_async, default_join)]  # fmt: skip
     if args.resume_pieces_arm:
         configs += [("kept_pieces", True, True, False, default_async, default_join)]
+    join_arm = "kept_no_join" if default_join else "kept_join_ahead"  # the engine's default flipped
     if args.resume_join_arm:
-        configs += [("kept_no_join", True, True, True, default_async, False)]
+        configs += [(join_arm, True, True, True, default_async, not default_join)]
     joined = _joined_ahead(llm)
     for seed, (name, keep, pieces, whole_steps, run_ahead, join_ahead) in enumerate(configs):
         ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, vocab, seed=100 + seed)
@@ -327,13 +328,13 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token": kv_per_token,
         "cleared": arms["cleared"],
         "kept": arms["kept"],
-        **{name: arms[name] for name in ("kept_sync", "kept_eager", "kept_pieces", "kept_no_join") if name in arms},
+        **{name: arms[name] for name in ("kept_sync", "kept_eager", "kept_pieces", join_arm) if name in arms},
         **({"kept_pieces_p50_over_floor": arms["kept_pieces"]["replay_p50_s"] / floor["floor_p50_s"],
             "kept_pieces_over_kept_p50": arms["kept_pieces"]["replay_p50_s"] / arms["kept"]["replay_p50_s"]}
            if "kept_pieces" in arms else {}),
-        **({"kept_no_join_p50_over_floor": arms["kept_no_join"]["replay_p50_s"] / floor["floor_p50_s"],
-            "kept_no_join_over_kept_p50": arms["kept_no_join"]["replay_p50_s"] / arms["kept"]["replay_p50_s"]}
-           if "kept_no_join" in arms else {}),
+        **({f"{join_arm}_p50_over_floor": arms[join_arm]["replay_p50_s"] / floor["floor_p50_s"],
+            f"{join_arm}_over_kept_p50": arms[join_arm]["replay_p50_s"] / arms["kept"]["replay_p50_s"]}
+           if join_arm in arms else {}),
         "async_scheduling": default_async,
         "speedup_p50": arms["cleared"]["replay_p50_s"] / arms["kept"]["replay_p50_s"],
         **({"speedup_p50_kept_sync": arms["cleared"]["replay_p50_s"] / arms["kept_sync"]["replay_p50_s"],
@@ -1094,7 +1095,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume-pieces-arm", action=argparse.BooleanOptionalAction, default=False,
                     help="resume: also the kept arm with every step that has prefill rows in piecewise graphs")
     ap.add_argument("--resume-join-arm", action=argparse.BooleanOptionalAction, default=False,
-                    help="resume: also the kept arm with no request joining a step before its loads landed")
+                    help="resume: also the kept arm with joining loads ahead of their landing flipped from the default")
     ap.add_argument("--tier-block-size", type=int, default=128)
     ap.add_argument("--tier-bytes", type=int, default=48 << 30)
     ap.add_argument("--load-window-mib", type=int, default=None, help="the tier's load window (default: its own)")
