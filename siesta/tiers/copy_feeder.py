@@ -265,7 +265,6 @@ class CopyFeeder:
         landed = [c.job_id for c in issued.chunks if c.last]
         self._landed.extend(landed)
         if self.trace is not None:
-            now = time.perf_counter()
             for job_id in landed:
                 self.trace("landed", job_id, now)
 

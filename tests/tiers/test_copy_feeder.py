@@ -289,20 +289,31 @@ class FakeClock:
         return self.now
 
 
-def test_jobs_landing_within_a_horizon_are_predicted_from_the_rate_calls_landed_at(monkeypatch) -> None:
+def _timed_feeder(monkeypatch, jobs: int) -> tuple[FakeClock, FakeCopier, CopyFeeder]:
+    """A feeder on a fake clock with ``jobs`` jobs of one call (4 blocks) each submitted, at
+    most four calls in flight."""
     from siesta.tiers import copy_feeder
 
     clock = FakeClock()
     monkeypatch.setattr(copy_feeder, "time", clock)
     copier = FakeCopier(held=True)
-    feeder = CopyFeeder(copier, "in", 16 * BLOCK_BYTES, BLOCK_BYTES, threaded=False)  # calls of 4 blocks
-    for i in range(6):
+    feeder = CopyFeeder(copier, "in", 16 * BLOCK_BYTES, BLOCK_BYTES, threaded=False)
+    for i in range(jobs):
         feeder.submit(f"r{i}", job(10 * i, 4), kv=None)
-    assert len(copier.calls) == 4, "a window of four calls in flight, two jobs queued"
-    assert feeder.landing_within(1.0) == [], "no call has landed: no rate to predict with"
+    return clock, copier, feeder
+
+
+def _land_first_call(clock: FakeClock, copier: FakeCopier, feeder: CopyFeeder) -> list[object]:
     clock.now += 0.010  # the first call moves 4 blocks in 10 ms
     copier.handles[0].landed = True
-    assert feeder.landed() == ["r0"]  # the next call goes out as it lands
+    return feeder.landed()  # the next call goes out as it lands
+
+
+def test_jobs_landing_within_a_horizon_are_predicted_from_the_rate_calls_landed_at(monkeypatch) -> None:
+    clock, copier, feeder = _timed_feeder(monkeypatch, 6)
+    assert len(copier.calls) == 4, "a window of four calls in flight, two jobs queued"
+    assert feeder.landing_within(1.0) == [], "no call has landed: no rate to predict with"
+    assert _land_first_call(clock, copier, feeder) == ["r0"]
     clock.now += 0.004  # r1, now the head, has been moving 4 of its 10 ms
     lands = feeder.landing_within(0.0165)
     assert [job_id for job_id, _ in lands] == ["r1", "r2"], "r1 in 6 ms, r2 in 16, r3 in 26"
@@ -311,16 +322,7 @@ def test_jobs_landing_within_a_horizon_are_predicted_from_the_rate_calls_landed_
 
 
 def test_a_call_the_issuing_thread_has_not_issued_yet_stops_the_prediction(monkeypatch) -> None:
-    from siesta.tiers import copy_feeder
-
-    clock = FakeClock()
-    monkeypatch.setattr(copy_feeder, "time", clock)
-    copier = FakeCopier(held=True)
-    feeder = CopyFeeder(copier, "in", 16 * BLOCK_BYTES, BLOCK_BYTES, threaded=False)  # calls of 4 blocks
-    for i in range(3):
-        feeder.submit(f"r{i}", job(10 * i, 4), kv=None)
-    clock.now += 0.010
-    copier.handles[0].landed = True
-    feeder.landed()
+    clock, copier, feeder = _timed_feeder(monkeypatch, 3)
+    _land_first_call(clock, copier, feeder)
     monkeypatch.setattr(copier, "ready_event", lambda handle: None if handle is copier.handles[2] else handle)
     assert [job_id for job_id, _ in feeder.landing_within(1.0)] == ["r1"]

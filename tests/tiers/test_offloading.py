@@ -510,10 +510,16 @@ def _held_loads(llm: LLM, piece_bytes: int) -> HeldCopier:
     return held
 
 
-def _joining_ahead(llm: LLM, monkeypatch, piece_bytes: int) -> tuple[HeldCopier, list[tuple[set[str], list]]]:
-    """Held loads whose landings the engine predicts (the rate their first landings showed),
-    every step scheduled with a lead of 10 s; and per launched step, the requests it computes
-    and the events it waits for."""
+def _joining_ahead(monkeypatch, num_prompts: int):
+    """An engine resumed from its tier over ``num_prompts`` prompts, its loads held one piece at a
+    time, whose landings it predicts (the rate their first landings showed), every step scheduled
+    with a lead of 10 s. Returns the engine, the prompts, their uninterrupted tokens, the held
+    copier, and per launched step the requests it computes and the events it waits for."""
+    llm = engine()
+    piece_bytes = (TIER_BLOCK // BLOCK) * llm.engine.runner.kv_cache.block_bytes
+    llm = engine(offload(load_window_bytes=piece_bytes))
+    ps = prompts(num_prompts)
+    ref = _resumed(llm, ps)
     held = _held_loads(llm, piece_bytes)
     llm.engine.connector.load_feeder = llm.engine.connector.loads
     monkeypatch.setattr(llm.engine, "_join_within_s", lambda: 10.0)
@@ -525,16 +531,11 @@ def _joining_ahead(llm: LLM, monkeypatch, piece_bytes: int) -> tuple[HeldCopier,
         return launch(sched, *args, **kwargs)
 
     monkeypatch.setattr(llm.engine.runner, "launch", spy)
-    return held, launched
+    return llm, ps, ref, held, launched
 
 
 def test_a_request_expected_to_land_before_its_step_starts_joins_it_and_the_step_waits_for_the_landing(monkeypatch):
-    llm = engine()
-    piece_bytes = (TIER_BLOCK // BLOCK) * llm.engine.runner.kv_cache.block_bytes
-    llm = engine(offload(load_window_bytes=piece_bytes))
-    ps = prompts(1)
-    ref = _resumed(llm, ps)
-    held, launched = _joining_ahead(llm, monkeypatch, piece_bytes)
+    llm, ps, ref, held, launched = _joining_ahead(monkeypatch, 1)
     scheduler = llm.engine.scheduler
     rid = llm.add_request({"prompt_token_ids": ps[0]}, GREEDY)
     pieces = (len(ps[0]) - 1) // TIER_BLOCK
@@ -558,12 +559,7 @@ def test_a_request_expected_to_land_before_its_step_starts_joins_it_and_the_step
 
 
 def test_a_request_that_joined_ahead_keeps_its_blocks_until_its_loads_land(monkeypatch):
-    llm = engine()
-    piece_bytes = (TIER_BLOCK // BLOCK) * llm.engine.runner.kv_cache.block_bytes
-    llm = engine(offload(load_window_bytes=piece_bytes))
-    ps = prompts(2)
-    ref = _resumed(llm, ps)
-    held, _ = _joining_ahead(llm, monkeypatch, piece_bytes)
+    llm, ps, ref, held, _ = _joining_ahead(monkeypatch, 2)
     scheduler, pool = llm.engine.scheduler, llm.engine.kv.pool
     free_before = pool.num_free_blocks
     rid = llm.add_request({"prompt_token_ids": ps[0]}, GREEDY)
