@@ -1072,6 +1072,14 @@ def summary(results: dict[str, Any]) -> list[list[Any]]:
     return rows
 
 
+def _section_names(text: str) -> list[str]:
+    names = [] if text == "none" else [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {unknown}; known: {', '.join(SECTIONS)}")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The bench's flags (tests build their arguments from it, so a new flag reaches them)."""
     ap = argparse.ArgumentParser(description=__doc__)
@@ -1080,7 +1088,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-cache-dtype", default="auto", help="the engines' KV cache: auto, fp8 (= fp8_e4m3), fp8_e5m2")
-    ap.add_argument("--sections", default=",".join(s for s in SECTIONS if s not in DIAGNOSTIC_SECTIONS))
+    ap.add_argument("--sections", type=_section_names, default=[s for s in SECTIONS if s not in DIAGNOSTIC_SECTIONS],
+                    help="comma-separated section names; 'none' runs no section (bench/gpu.sh's tests only)")
     ap.add_argument("--check-prompt-len", type=int, default=512)
     ap.add_argument("--decode-batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256])
     ap.add_argument("--decode-context", type=int, default=512)
@@ -1158,7 +1167,7 @@ def main() -> None:
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "args": vars(args)}  # fmt: skip
     start = time.perf_counter()
-    for name in args.sections.split(","):
+    for name in args.sections:
         if time.perf_counter() - start > args.time_budget_s:
             results[name] = {"error": "skipped: out of time budget"}
             continue
