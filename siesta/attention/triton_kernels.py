@@ -5,15 +5,15 @@ inlined into four launchable kernels: ``unified_kernel`` (any batch),
 ``prefill_split_kernel`` and ``decode_split_kernel`` (split-KV), and
 ``reduce_splits_kernel`` (the log-sum-exp merge of split partials).
 
-An fp8 cache (``KV_FP8``) is dequantized in registers as each K/V tile is loaded:
-``x.to(fp32) * scale``, then the query's dtype, which the matrix products then run in (vLLM's
-Triton attention does the same). Widening the raw fp8 values straight to bf16 and applying the
-scales outside the tiles (exact, and tried in runs 51g-h) left the mma.sync decode tiles as fast,
-but made every wgmma tile 12-27 % slower (the prefill tile and deterministic mode's 64-row decode
-tile, H100 run 52a, ``python -m siesta.bench.invariant_attention``), and the kept fp8 resume's
-steps with tail prefills ~28 ms where they had taken ~11 (run 52a: 16.7x; run 52b, this way
-again: 25.7x). The scaled value's one extra bf16 rounding (2^-9 relative) is small beside fp8's
-own (2^-4).
+An fp8 cache (``KV_FP8``) is read raw: each K/V tile's e4m3 values widen exactly to fp16 (one
+conversion instruction a pair of values; to bf16 it takes four a value, through fp32), and the
+query goes to fp16 times a power of two (``_fp8_query``). K's scale and that power fold into the
+softmax scale, V's scale multiplies the accumulator once after the key loop: q.k is exact, and
+the probabilities round to fp16 (finer than bf16). Against dequantizing each tile (``x.to(fp32) * scale`` to bf16,
+as vLLM's Triton attention does, shipped until run 56): the split-KV decode 5-17 % faster, the
+prefill tile 6-7 % slower, the kept fp8 resume's p50 2 % lower (H100 run 56b,
+``python -m siesta.bench.invariant_attention``; H200 run 56c, ``bench/gpu.sh --sections resume
+--kv-cache-dtype fp8``). Widening to bf16 instead (runs 51g-52a) slowed every wgmma tile 12-27 %.
 """
 
 import triton
@@ -78,17 +78,18 @@ def _attend_tile(
     m_i,
     l_i,
     scale_log2,
-    k_scale,
-    v_scale,
     MASK_KEYS: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
-    """One online-softmax step over a K/V tile; ``visible`` masks scores when MASK_KEYS."""
+    """One online-softmax step over a K/V tile; ``visible`` masks scores when MASK_KEYS.
+
+    Over an fp8 cache ``q`` and ``scale_log2`` are ``_fp8_query``'s: the raw e4m3 values widen
+    to the query's dtype (exactly: fp16 or fp32) and the scales apply outside the tile."""
     k = _load_tile(k_cache_ptr, offsets, key_mask, d_mask, MASK_KEYS, EVEN_D)
-    if KV_FP8:  # dequantized in registers, into the query's dtype
-        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+    if KV_FP8:
+        k = k.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if MASK_KEYS:
         scores = tl.where(visible, scores, float("-inf"))
@@ -102,9 +103,28 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_cache_ptr, offsets, key_mask, d_mask, MASK_KEYS, EVEN_D)
     if KV_FP8:
-        v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        v = v.to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _fp8_query(q, scale_log2, k_scale):
+    """The query tile for products with raw e4m3 keys, and the score scale that undoes what it
+    folds in. A 16-bit query goes to fp16, whose one conversion instruction widens two e4m3
+    values exactly (to bf16 it takes four a value, through fp32), times a power of two that puts
+    the tile's largest magnitude in [2^14, 2^15): inside fp16's range, and every bf16 value that
+    matters (down to 2^-24 of the largest) converts exactly. An fp32 query stays fp32."""
+    # One return, after a compile-time branch: Triton compiles every return it reaches.
+    if q.dtype == tl.float32:
+        scale_log2 = scale_log2 * k_scale
+    else:
+        wide = q.to(tl.float32)
+        top = tl.max(tl.max(tl.abs(wide), 1), 0)
+        shift = tl.where(top > 0.0, 14.0 - tl.floor(tl.log2(top)), 0.0)
+        q = (wide * tl.exp2(shift)).to(tl.float16)
+        scale_log2 = scale_log2 * k_scale * tl.exp2(-shift)
+    return q, scale_log2
 
 
 @triton.jit
@@ -148,7 +168,9 @@ def _decode_range(
     head_mask = offs_h < GROUP
     q_rows = token.to(tl.int64) * stride_q_token + (kv_head * GROUP + offs_h) * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=head_mask[:, None] & d_mask[None, :], other=0.0)
-    if not KV_FP8:  # the products run in the cache's dtype; over an fp8 cache, in the query's
+    if KV_FP8:
+        q, scale_log2 = _fp8_query(q, scale_log2, k_scale)
+    else:  # the products run in the cache's dtype
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -167,8 +189,10 @@ def _decode_range(
         block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_end, PAGE_SIZE)
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, key_mask, d_mask, key_mask[None, :],
-            acc, m_i, l_i, scale_log2, k_scale, v_scale, True, HEAD_DIM == BLOCK_D, DOT_PRECISION, KV_FP8,
+            acc, m_i, l_i, scale_log2, True, HEAD_DIM == BLOCK_D, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
+    if KV_FP8:  # the values' scale, outside the tiles: the sum is linear in them
+        acc = acc * v_scale
     return acc, m_i, l_i
 
 
@@ -261,7 +285,9 @@ def _prefill_tile(
 
     q_rows = (q_start + q_tok).to(tl.int64) * stride_q_token + q_head * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
-    if not KV_FP8:  # the products run in the cache's dtype; over an fp8 cache, in the query's
+    if KV_FP8:
+        q, scale_log2 = _fp8_query(q, scale_log2, k_scale)
+    else:  # the products run in the cache's dtype
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -280,7 +306,7 @@ def _prefill_tile(
         block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_hi, PAGE_SIZE)
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, None, d_mask, None,
-            acc, m_i, l_i, scale_log2, k_scale, v_scale, False, EVEN_D, DOT_PRECISION, KV_FP8,
+            acc, m_i, l_i, scale_log2, False, EVEN_D, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
     masked_start = tl.maximum(key_lo, unmasked_end)
     block = _table_blocks(table_row_ptr, masked_start + offs_n, masked_start + offs_n < key_hi, PAGE_SIZE)
@@ -292,8 +318,10 @@ def _prefill_tile(
         block = _table_blocks(table_row_ptr, key_pos + BLOCK_N, key_pos + BLOCK_N < key_hi, PAGE_SIZE)
         acc, m_i, l_i = _attend_tile(
             q, k_cache_ptr, v_cache_ptr, offsets, key_mask, d_mask, visible,
-            acc, m_i, l_i, scale_log2, k_scale, v_scale, True, EVEN_D, DOT_PRECISION, KV_FP8,
+            acc, m_i, l_i, scale_log2, True, EVEN_D, DOT_PRECISION, KV_FP8,
         )  # fmt: skip
+    if KV_FP8:
+        acc = acc * v_scale
     return acc, m_i, l_i
 
 

@@ -155,7 +155,7 @@ def attention_variants(head_dim: int = 128, group: int = 4, page_size: int = 16)
 
     common = {"HEAD_DIM": head_dim, "BLOCK_D": head_dim, "GROUP": group, "PAGE_SIZE": page_size}
     caches = (("bf16", "bf16", torch.bfloat16, False), ("fp8", "fp8e4nv", torch.bfloat16, True),
-              ("fp32", "fp32", torch.float32, False))  # fmt: skip
+              ("fp32", "fp32", torch.float32, False), ("fp8_fp32", "fp8e4nv", torch.float32, True))  # fmt: skip
     out = []
     for label, kv, dtype, fp8 in caches:
         q = "fp32" if dtype == torch.float32 else "bf16"

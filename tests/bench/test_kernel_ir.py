@@ -70,7 +70,7 @@ def test_the_shipped_attention_tiles_as_a_hopper_card_compiles_them() -> None:
     rows = {r["variant"]: r for r in json.loads(done.stdout.splitlines()[-1])}
     kinds = ("decode", "invariant_decode", "crowded_invariant_decode", "prefill_split", "unified")
     assert set(rows) == {f"{k}_{c}" for k in kinds for c in ("bf16", "fp8")} | {
-        f"{k}_fp32" for k in ("decode", "prefill_split", "unified")}
+        f"{k}_{c}" for k in ("decode", "prefill_split", "unified") for c in ("fp32", "fp8_fp32")}
     for name, row in rows.items():
         assert 0 < row["shared"] <= kernel_ir.HOPPER_SHARED_BYTES, name
     assert rows["decode_fp8"]["num_stages"] == 3
