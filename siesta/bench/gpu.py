@@ -294,6 +294,8 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
     join_arm = "kept_no_join" if default_join else "kept_join_ahead"  # the engine's default flipped
     if args.resume_join_arm:
         configs += [(join_arm, True, True, True, default_async, not default_join)]
+    if args.resume_added_first_arm:  # LLM.generate not stepping while it adds the batch
+        configs += [("kept_added_first", True, True, True, default_async, default_join)]
     joined = _joined_ahead(llm)
     for seed, (name, keep, pieces, whole_steps, run_ahead, join_ahead) in enumerate(configs):
         ps = random_prompts(args.resume_requests, args.resume_tokens, args.resume_tokens, vocab, seed=100 + seed)
@@ -305,7 +307,10 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         sched_cfg.async_scheduling, sched_cfg.join_loads_ahead = run_ahead, join_ahead
         joined.clear()
         replays = args.resume_replays if name == "kept" else 1
+        if name == "kept_added_first":
+            llm._start_early = lambda added_tokens: False
         arms[name] = run_arm(llm, keep, ps, max_tokens=RESUME_NEW_TOKENS, replays=replays)
+        vars(llm).pop("_start_early", None)
         arms[name]["triton_variants_compiled"] = _triton_variants() - variants
         arms[name]["forward_s"] = list(forwards)  # warm-up's and replay's steps
         arms[name]["copies_forward_s"] = list(parts)
@@ -328,7 +333,10 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token": kv_per_token,
         "cleared": arms["cleared"],
         "kept": arms["kept"],
-        **{name: arms[name] for name in ("kept_sync", "kept_eager", "kept_pieces", join_arm) if name in arms},
+        **{name: arms[name] for name in ("kept_sync", "kept_eager", "kept_pieces", join_arm, "kept_added_first")
+           if name in arms},
+        **({"kept_added_first_p50_over_floor": arms["kept_added_first"]["replay_p50_s"] / floor["floor_p50_s"]}
+           if "kept_added_first" in arms else {}),
         **({"kept_pieces_p50_over_floor": arms["kept_pieces"]["replay_p50_s"] / floor["floor_p50_s"],
             "kept_pieces_over_kept_p50": arms["kept_pieces"]["replay_p50_s"] / arms["kept"]["replay_p50_s"]}
            if "kept_pieces" in arms else {}),
@@ -1105,6 +1113,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="resume: also the kept arm with every step that has prefill rows in piecewise graphs")
     ap.add_argument("--resume-join-arm", action=argparse.BooleanOptionalAction, default=False,
                     help="resume: also the kept arm with joining loads ahead of their landing flipped from the default")
+    ap.add_argument("--resume-added-first-arm", action=argparse.BooleanOptionalAction, default=False,
+                    help="resume: also the kept arm with the whole batch added before the engine's first step")
     ap.add_argument("--tier-block-size", type=int, default=128)
     ap.add_argument("--tier-bytes", type=int, default=48 << 30)
     ap.add_argument("--load-window-mib", type=int, default=None, help="the tier's load window (default: its own)")

@@ -195,6 +195,17 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.admission.has_unfinished() or bool(self._pending)
 
+    def step_loses_nothing_to_more_adds(self, waiting_tokens: int) -> bool:
+        """Whether a step taken now, with more of a batch still to be added, is as full as the
+        first step after the whole batch would be: the device runs ahead of the host (the step
+        returns once launched), nothing is in flight, and the ``waiting_tokens`` already added
+        fill a step's token budget. ``LLM.generate`` takes it, so the first prompt's tier loads
+        (or first prefill chunk) overlap the host's admission of the rest."""
+        sched = self.config.scheduler
+        if not sched.async_scheduling or self._inflight is not None or self.scheduler.running:
+            return False
+        return self._scheduling_allowed() and waiting_tokens >= sched.max_num_batched_tokens
+
     def has_work(self) -> bool:
         """Whether a step would do anything: outputs to hand out, requests it may schedule,
         tier transfers to finish."""

@@ -58,9 +58,13 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompt_list))
         self._require_running()
         parents: list[str] = []
+        started, added_tokens = False, 0
         try:
             for prompt, sp in zip(prompt_list, params):
-                parents.append(self._add(prompt, sp))
+                parents.append(parent := self._add(prompt, sp))
+                if not started:
+                    added_tokens += sum(len(self.processor.states[c].prompt_token_ids) for c in self._children[parent])
+                    started = self._start_early(added_tokens)
         except Exception:
             # All or nothing: a bad prompt leaves no half-added batch behind.
             self.abort(parents)
@@ -187,6 +191,14 @@ class LLM:
                 self._done.discard(child)
             self._unreported.discard(parent)
         self._drive_once()  # hand the aborts' outputs and stats through
+
+    def _start_early(self, added_tokens: int) -> bool:
+        """Step while a batch is still being added, where that loses nothing (H100 run 55a: 16
+        prompts of 19.5k tokens took 9.4 ms to add, all before the first tier load began)."""
+        if not self.engine.step_loses_nothing_to_more_adds(added_tokens):
+            return False
+        self._drive_once()
+        return True
 
     def _drive_once(self) -> None:
         out = self.engine.step()

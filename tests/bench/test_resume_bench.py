@@ -63,10 +63,13 @@ def test_resume_section_runs_on_the_cpu_and_reports_the_floor_from_counted_bytes
 def test_kept_replays_each_load_the_prompts_again_and_report_the_link_while_loading() -> None:
     args = _args()
     args.resume_variants = False
-    args.resume_pieces_arm = True
+    args.resume_pieces_arm = args.resume_join_arm = args.resume_added_first_arm = True
     res = gpu.resume(args)
     kept = res["kept"]
-    assert set(res) >= {"cleared", "kept", "kept_pieces"} and "kept_sync" not in res
+    arms = {"cleared", "kept", "kept_pieces", "kept_no_join", "kept_added_first"}
+    assert set(res) >= arms and "kept_sync" not in res
+    first_p50 = res["kept_added_first"]["replay_p50_s"]
+    assert res["kept_added_first_p50_over_floor"] == pytest.approx(first_p50 / res["kept_floor"]["floor_p50_s"])
     pieces_p50 = res["kept_pieces"]["replay_p50_s"]
     assert res["kept_pieces_p50_over_floor"] == pytest.approx(pieces_p50 / res["kept_floor"]["floor_p50_s"])
     assert res["kept_pieces_over_kept_p50"] == pytest.approx(pieces_p50 / kept["replay_p50_s"])

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from siesta import LLM, SamplingParams
+from siesta.control import RequestRejected
 from siesta.core.model_runner import LaunchedStep
 
 MODEL = "random:tiny-llama"
@@ -155,3 +156,49 @@ def test_abort_of_a_request_in_flight_drops_its_late_sample():
                 finished[out.request_id] = out.outputs[0]
     assert len(finished[keep].token_ids) == 30
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
+
+
+def _count_adds_at_steps(llm: LLM, monkeypatch) -> list[int]:
+    """How many requests had been added when each engine step began."""
+    added: list[str] = []
+    at_steps: list[int] = []
+    add, step = llm.engine.add_requests, llm.engine.step
+    monkeypatch.setattr(llm.engine, "add_requests", lambda reqs: (add(reqs), added.extend(r.request_id for r in reqs)))
+    monkeypatch.setattr(llm.engine, "step", lambda: (at_steps.append(len(added)), step())[1])
+    return at_steps
+
+
+def test_a_batch_whose_first_prompt_fills_a_step_starts_before_the_rest_is_added(monkeypatch):
+    ps = prompts(6, seed=3, max_len=60)
+    ps[0] = ps[0] + [7] * 40  # past the 32-token budget alone
+    params = mixed_params(ps)
+    llm = engine(True, max_num_batched_tokens=32)
+    at_steps = _count_adds_at_steps(llm, monkeypatch)
+    got = run(llm, ps, params)
+    assert at_steps[0] == 1 and at_steps[1] == len(ps)  # one step on the first prompt, then the rest
+    assert_same(got, run(engine(False, max_num_batched_tokens=32), ps, params))
+
+
+def test_a_batch_that_fills_no_step_is_all_added_first(monkeypatch):
+    ps = prompts(6, seed=4, max_len=20)  # under the budget together
+    for llm in (engine(True), engine(False, max_num_batched_tokens=32)):  # short; or no device running ahead
+        at_steps = _count_adds_at_steps(llm, monkeypatch)
+        run(llm, ps, [SamplingParams(temperature=0, max_tokens=4)] * len(ps))
+        assert at_steps[0] == len(ps)
+
+
+def test_a_bad_prompt_after_the_engine_started_on_the_batch_leaves_nothing_behind(monkeypatch):
+    ps = prompts(3, seed=5, max_len=60)
+    ps[0] = ps[0] + [7] * 40
+    llm = engine(True, max_num_batched_tokens=32)
+    at_steps = _count_adds_at_steps(llm, monkeypatch)
+    bad = [{"prompt_token_ids": p} for p in ps] + [{"prompt_token_ids": [5, 10**9]}]
+    with pytest.raises(RequestRejected, match="outside the vocabulary"):
+        llm.generate(bad, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert at_steps[0] == 1  # the engine had started on the first prompt
+    while llm.engine.has_work():
+        llm.engine.step()
+    assert not llm.engine.has_unfinished_requests() and not llm.has_unfinished_requests()
+    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
+    greedy = [SamplingParams(temperature=0, max_tokens=4)] * len(ps)
+    assert_same(run(llm, ps, greedy), run(engine(False, max_num_batched_tokens=32), ps, greedy))

@@ -590,6 +590,21 @@ def _resumed(llm: LLM, ps: list[list[int]]) -> list[list[int]]:
     return ref
 
 
+def test_generate_starts_the_first_prompts_loads_before_it_adds_the_rest(monkeypatch):
+    # A device that runs ahead (async scheduling) and a first prompt that fills a step's budget.
+    llm = engine(offload(), async_scheduling=True, max_num_batched_tokens=4 * TIER_BLOCK)
+    ps = prompts(3)
+    ref = _resumed(llm, ps)
+    added: list[str] = []
+    adds_at_loads: list[int] = []  # requests added when each load job started
+    connector = llm.engine.connector
+    add, start_load = llm.engine.add_requests, connector._start_load
+    monkeypatch.setattr(llm.engine, "add_requests", lambda reqs: (add(reqs), added.extend(reqs)))
+    monkeypatch.setattr(connector, "_start_load", lambda *a, **k: (adds_at_loads.append(len(added)), start_load(*a, **k)))
+    assert generate(llm, ps) == ref
+    assert adds_at_loads == [1, 3, 3], "the first prompt's loads began before the second prompt was added"
+
+
 def test_loads_start_at_admission_in_request_order_and_a_loaded_request_runs_before_later_ones_land():
     llm = engine()
     piece_bytes = (TIER_BLOCK // BLOCK) * llm.engine.runner.kv_cache.block_bytes
