@@ -382,6 +382,10 @@ class EngineConfig:
     # A file each engine step appends one JSON line to (when it started and ended, its tokens
     # and rows, the requests running, loading and waiting): where a replay's time went.
     step_trace: str | None = field(default_factory=lambda: os.environ.get(STEP_TRACE_ENV) or None)
+    # Take the heap alive once the engine is built out of the collector's full passes
+    # (core/gc_heap.py). None: on with CUDA, whose steps a full pass would stall; off on the CPU,
+    # whose steps outlast it, and where a test process builds hundreds of engines.
+    freeze_gc_heap: bool | None = None
 
     @classmethod
     def from_flags(cls, usage_context: str = "llm", **flags: Any) -> EngineConfig:
@@ -393,6 +397,11 @@ class EngineConfig:
         if self.weight_backup == "auto":
             return self.enable_sleep_mode and self.torch_device().type == "cuda"
         return self.weight_backup == "background"
+
+    def freezes_gc_heap(self) -> bool:
+        if self.freeze_gc_heap is None:
+            return self.torch_device().type == "cuda"
+        return self.freeze_gc_heap
 
     def torch_device(self) -> torch.device:
         if self.device is not None:

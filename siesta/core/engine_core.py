@@ -26,6 +26,7 @@ from siesta.config import ConfigError, EngineConfig
 from siesta.control import ConnectorRetentionError, EngineStateError, OneCallResult, RequestRejected, init_info_of
 from siesta.core.admission import Admission, RequestLimits, versioned
 from siesta.core.deferred import Deferred
+from siesta.core.gc_heap import freeze_startup_heap
 from siesta.core.model_runner import LaunchedStep, ModelRunner
 from siesta.core.one_call_updates import OneCallUpdates
 from siesta.core.pause_state import ABORT, WAIT, PauseState, check_pause_mode, check_sleep_level, check_tags
@@ -116,6 +117,8 @@ class EngineCore:
         self.one_call = OneCallUpdates(self.weight_updates, self.admission.unfinished_ids)
         self._trace = StepTrace(config.step_trace) if config.step_trace else None
         self._traced: SchedulerOutput | None = None  # the last step's schedule, for the trace
+        if config.freezes_gc_heap():
+            freeze_startup_heap()
 
     @property
     def weight_version(self) -> str:
