@@ -11,7 +11,7 @@ query goes to fp16 times a power of two (``_fp8_query``). K's scale and that pow
 softmax scale, V's scale multiplies the accumulator once after the key loop: q.k is exact, and
 the probabilities round to fp16 (finer than bf16). Against dequantizing each tile (``x.to(fp32) * scale`` to bf16,
 as vLLM's Triton attention does, shipped until run 56): the split-KV decode 5-17 % faster, the
-prefill tile 6-7 % slower, the kept fp8 resume's p50 2 % lower (H100 run 56b,
+prefill tile 6-7 % slower, the kept fp8 resume's p50 2 % lower, inside its noise (H100 run 56b,
 ``python -m siesta.bench.invariant_attention``; H200 run 56c, ``bench/gpu.sh --sections resume
 --kv-cache-dtype fp8``). Widening to bf16 instead (runs 51g-52a) slowed every wgmma tile 12-27 %.
 """

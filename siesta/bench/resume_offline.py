@@ -58,7 +58,7 @@ def fire_all(
     steps: list[tuple[float, float]] = []
     latency: dict[str, float] = {}
     with loads as traced:
-        ids = [llm.add_request({"prompt_token_ids": p}, params) for p in prompts]
+        ids = llm.add_requests([{"prompt_token_ids": p} for p in prompts], params)
         adds_done = time.perf_counter() - t0
         wanted = set(ids)
         while len(latency) < len(ids):

@@ -54,22 +54,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        prompt_list = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompt_list))
         self._require_running()
-        parents: list[str] = []
-        started, added_tokens = False, 0
-        try:
-            for prompt, sp in zip(prompt_list, params):
-                parents.append(parent := self._add(prompt, sp))
-                if not started:
-                    added_tokens += sum(len(self.processor.states[c].prompt_token_ids) for c in self._children[parent])
-                    started = self._start_early(added_tokens)
-        except Exception:
-            # All or nothing: a bad prompt leaves no half-added batch behind.
-            self.abort(parents)
-            raise
-        return self._run(parents, use_tqdm)
+        return self._run(self.add_requests(prompts, sampling_params), use_tqdm)
 
     def chat(
         self,
@@ -89,6 +75,30 @@ class LLM:
     def add_request(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> str:
         """Queue one prompt without waiting for it; ``step()`` drives it. Returns its request id."""
         return self._add(prompt, sampling_params or SamplingParams())
+
+    def add_requests(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[str]:
+        """Queue a batch, all or nothing, as ``generate`` does; ``step()`` drives it. Returns the
+        request ids. Where a step loses nothing to the prompts not yet added (they already fill
+        one, and the device runs ahead of the host), the engine takes it while adding the rest."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        parents: list[str] = []
+        started, added_tokens = False, 0
+        try:
+            for prompt, sp in zip(prompt_list, params):
+                parents.append(parent := self._add(prompt, sp))
+                if not started:
+                    added_tokens += sum(len(self.processor.states[c].prompt_token_ids) for c in self._children[parent])
+                    started = self._start_early(added_tokens)
+        except Exception:
+            # All or nothing: a bad prompt leaves no half-added batch behind.
+            self.abort(parents)
+            raise
+        return parents
 
     def _add(self, prompt: PromptType, params: SamplingParams) -> str:
         params = self._prepare_params(params)

@@ -202,3 +202,18 @@ def test_a_bad_prompt_after_the_engine_started_on_the_batch_leaves_nothing_behin
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
     greedy = [SamplingParams(temperature=0, max_tokens=4)] * len(ps)
     assert_same(run(llm, ps, greedy), run(engine(False, max_num_batched_tokens=32), ps, greedy))
+
+
+def test_add_requests_queues_a_batch_for_step_and_starts_it_as_generate_does(monkeypatch):
+    ps = prompts(4, seed=6, max_len=60)
+    ps[0] = ps[0] + [7] * 40
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    llm = engine(True, max_num_batched_tokens=32)
+    at_steps = _count_adds_at_steps(llm, monkeypatch)
+    ids = llm.add_requests([{"prompt_token_ids": p} for p in ps], greedy)
+    assert at_steps == [1]
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in llm.step() if o.finished)
+    expected = run(engine(False, max_num_batched_tokens=32), ps, [greedy] * len(ps))
+    assert [done[i] for i in ids] == [tokens for tokens, _, _ in expected]
