@@ -179,8 +179,8 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
     # Under async scheduling, a request whose tier loads are expected to land before the step
     # scheduled now starts on the device joins it, which waits for them there (core/step_lead.py).
-    # H100 run 56a: the kept fp8 resume's p50 1.193x its floor against 1.23x joining on landing
-    # (bench resume --resume-join-arm runs the other way too).
+    # On: the kept resume's p50 was lower with it in 5 of 6 A/Bs (H100 runs 56a-b, H200 run 56c),
+    # each by about the arms' own noise (DESIGN.md); bench resume --resume-join-arm runs both.
     join_loads_ahead: bool = True
     # Engine requests (prompts x n of every HTTP request) that may wait to be scheduled; past
     # this the engine refuses new ones (HTTP 429 with Retry-After) instead of queueing for hours.

@@ -9,9 +9,10 @@ An fp8 cache (``KV_FP8``) is read raw: each K/V tile's e4m3 values widen exactly
 conversion instruction a pair of values; to bf16 it takes four a value, through fp32), and the
 query goes to fp16 times a power of two (``_fp8_query``). K's scale and that power fold into the
 softmax scale, V's scale multiplies the accumulator once after the key loop: q.k is exact, and
-the probabilities round to fp16 (finer than bf16). Against dequantizing each tile (``x.to(fp32) * scale`` to bf16,
-as vLLM's Triton attention does, shipped until run 56): the split-KV decode 5-17 % faster, the
-prefill tile 6-7 % slower, the kept fp8 resume's p50 2 % lower, inside its noise (H100 run 56b,
+the probabilities round to fp16 (finer than bf16). Against dequantizing each tile
+(``x.to(fp32) * scale`` to bf16, as vLLM's Triton attention does; shipped until run 56): the
+split-KV decode 5-17 % faster, the prefill tile 6-7 % slower, the kept fp8 resume's p50 2 %
+lower, inside its noise (H100 run 56b,
 ``python -m siesta.bench.invariant_attention``; H200 run 56c, ``bench/gpu.sh --sections resume
 --kv-cache-dtype fp8``). Widening to bf16 instead (runs 51g-52a) slowed every wgmma tile 12-27 %.
 """

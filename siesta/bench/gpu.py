@@ -294,7 +294,7 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
     join_arm = "kept_no_join" if default_join else "kept_join_ahead"  # the engine's default flipped
     if args.resume_join_arm:
         configs += [(join_arm, True, True, True, default_async, not default_join)]
-    if args.resume_added_first_arm:  # LLM.generate not stepping while it adds the batch
+    if args.resume_added_first_arm:  # LLM.add_requests not stepping while it adds the batch
         configs += [("kept_added_first", True, True, True, default_async, default_join)]
     joined = _joined_ahead(llm)
     for seed, (name, keep, pieces, whole_steps, run_ahead, join_ahead) in enumerate(configs):

@@ -202,8 +202,8 @@ class EngineCore:
         """Whether a step taken now, with more of a batch still to be added, is as full as the
         first step after the whole batch would be: the device runs ahead of the host (the step
         returns once launched), nothing is in flight, and the ``waiting_tokens`` already added
-        fill a step's token budget. ``LLM.generate`` takes it, so the first prompt's tier loads
-        (or first prefill chunk) overlap the host's admission of the rest."""
+        fill a step's token budget. ``LLM.add_requests`` (and so ``generate``) takes it, so the
+        first prompt's tier loads (or first prefill chunk) overlap the host's admission of the rest."""
         sched = self.config.scheduler
         if not sched.async_scheduling or self._inflight is not None or self.scheduler.running:
             return False
