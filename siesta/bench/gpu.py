@@ -326,6 +326,7 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
     load_bytes = kept.get('siesta_kv_offload_load_bytes_total{tier="host"}', 0.0)
     # After the arms (its prompt's KV goes to the tier), with the engine's defaults restored.
     floor = kept_floor(llm, arms, args.resume_requests, args.resume_tokens, RESUME_NEW_TOKENS, args.link_gbps)
+    extra = [name for name in arms if name not in ("cleared", "kept")]  # the kept arm's variants
     return {
         "init_s": init_s,
         "requests": args.resume_requests,
@@ -333,16 +334,9 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_per_token": kv_per_token,
         "cleared": arms["cleared"],
         "kept": arms["kept"],
-        **{name: arms[name] for name in ("kept_sync", "kept_eager", "kept_pieces", join_arm, "kept_added_first")
-           if name in arms},
-        **({"kept_added_first_p50_over_floor": arms["kept_added_first"]["replay_p50_s"] / floor["floor_p50_s"]}
-           if "kept_added_first" in arms else {}),
-        **({"kept_pieces_p50_over_floor": arms["kept_pieces"]["replay_p50_s"] / floor["floor_p50_s"],
-            "kept_pieces_over_kept_p50": arms["kept_pieces"]["replay_p50_s"] / arms["kept"]["replay_p50_s"]}
-           if "kept_pieces" in arms else {}),
-        **({f"{join_arm}_p50_over_floor": arms[join_arm]["replay_p50_s"] / floor["floor_p50_s"],
-            f"{join_arm}_over_kept_p50": arms[join_arm]["replay_p50_s"] / arms["kept"]["replay_p50_s"]}
-           if join_arm in arms else {}),
+        **{name: arms[name] for name in extra},
+        **{f"{name}_p50_over_floor": arms[name]["replay_p50_s"] / floor["floor_p50_s"] for name in extra},
+        **{f"{name}_over_kept_p50": arms[name]["replay_p50_s"] / arms["kept"]["replay_p50_s"] for name in extra},
         "async_scheduling": default_async,
         "speedup_p50": arms["cleared"]["replay_p50_s"] / arms["kept"]["replay_p50_s"],
         **({"speedup_p50_kept_sync": arms["cleared"]["replay_p50_s"] / arms["kept_sync"]["replay_p50_s"],
