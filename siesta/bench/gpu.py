@@ -1155,6 +1155,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-check-shape", default="qwen3-30b-a3b", help="moe: the shape of the fidelity check")
     ap.add_argument("--moe-check-layers", type=int, default=4, help="moe: its layers (fp32 transformers must fit)")
     ap.add_argument("--moe-check-tokens", type=int, default=4096)
+    ap.add_argument("--moe-prefill-tiles", default=None,
+                    help="moe: the prefill again with these large-prefill expert tiles (moe_tiles' syntax)")
     ap.add_argument("--moe-parts", type=lambda s: s.split(","),
                     default=["sorted_small_batches", "library_prefill", "fidelity", "resume", "weight_transfer"],
                     help="moe: what runs after decode and prefill")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -136,6 +137,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     run_part(out, "moe", "kernels_batch1", functools.partial(_step_kernels, llm, args.decode_context))
     out["prefill"] = prefill(llm, args.moe_prefill_tokens)
     log_part("moe", "prefill", out["prefill"])
+    if args.moe_prefill_tiles:
+        tiles = functools.partial(_prefill_tiles, llm, args.moe_prefill_tokens, args.moe_prefill_tiles, out["prefill"])
+        run_part(out, "moe", "prefill_tiles", tiles)
     del llm
     release_memory()
     for name, step in (("sorted_small_batches", lambda: _sorted_small_batches(args, base, out["decode"])),
@@ -190,6 +194,36 @@ def _library_prefill(args: argparse.Namespace, base: dict[str, Any], fused: dict
     return out
 
 
+def _expert_kernel_ms(res: dict[str, Any]) -> dict[str, float]:
+    top = res["kernels"]["top_kernels_ms"]
+    return {name: sum(ms for kernel, ms in top.items() if kernel.startswith(f"_{name}_kernel"))
+            for name in ("gate_up", "down")}  # fmt: skip
+
+
+def _prefill_tiles(llm, n: int, candidates: str, shipped: dict[str, Any]) -> dict[str, Any]:
+    """The same prefill on the same engine with other large-prefill expert tiles (the A/B of
+    ``triton_moe.LARGE_PREFILL_TILES``, in ``moe_tiles``' syntax): tok/s, MFU and each expert
+    GEMM's device time. The step runs eagerly, so it takes the tiles in force when it runs."""
+    from siesta.bench.moe_tiles import parse_candidate, tile_label
+    from siesta.model import triton_moe
+
+    saved = triton_moe.LARGE_PREFILL_TILES
+    out: dict[str, Any] = {"shipped": tile_label(asdict(saved)), "shipped_kernels_ms": _expert_kernel_ms(shipped)}
+    try:
+        for text in candidates.split(","):
+            triton_moe.LARGE_PREFILL_TILES = parse_candidate(text)
+            try:
+                res = prefill(llm, n)
+            except Exception as e:  # noqa: BLE001 - a tile the card cannot hold is a result too
+                out[text] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+                continue
+            out[text] = {"tok_s": res["tok_s"], "mfu": res["mfu"], "over_shipped": res["tok_s"] / shipped["tok_s"],
+                         "kernels_ms": _expert_kernel_ms(res), "device_busy_ms": res["kernels"]["device_busy_ms"]}  # fmt: skip
+    finally:
+        triton_moe.LARGE_PREFILL_TILES = saved
+    return out
+
+
 def _step_kernels(llm, context: int) -> dict[str, Any]:
     """A batch-1 decode step's kernels (launches, busy time, the costliest): where the step's time
     goes beside the bytes the roofline counts."""
@@ -239,6 +273,11 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
             launch_ms = sum(ms for _, ms in host["launch_calls"].values())
             rows.append([f"MoE prefill {res['prefill']['tokens']}: host wall ms", host["wall_ms"],
                          f"{blocking:,} blocking calls; {launched:,} launches, {launch_ms:.1f} ms in them"])  # fmt: skip
+    for text, cell in (res.get("prefill_tiles") or {}).items():
+        if isinstance(cell, dict) and "over_shipped" in cell:
+            ms = cell["kernels_ms"]
+            rows.append([f"MoE prefill, tiles {text} / shipped", cell["over_shipped"],
+                         f"MFU {cell['mfu']:.0%}; gate/up {ms['gate_up']:.1f} ms, down {ms['down']:.1f} ms"])  # fmt: skip
     lib = res.get("library_prefill") or {}
     if "speedup_over_fused" in lib:
         rows.append([f"MoE prefill {lib['tokens']}: grouped_mm / fused", lib["speedup_over_fused"],

@@ -33,22 +33,28 @@ SHAPE = ("qwen3-30b-a3b", 128, 2048, 768, 8)
 TOKENS = (16, 64, 256, 2048, 8192)  # decode batches, a piecewise bucket, the 8k prefill
 SMOKE_SHAPE = ("tiny", 8, 64, 32, 2)
 SMOKE_TOKENS = (3, 40)
-# Persistent launches of both GEMMs or of down alone, and run 51b's runners-up.
-CANDIDATES = "128x128x64w8s4p,128x128x64w8s3d,128x128x64w8s4,64x128x64w8s3p,64x256x64w8s3"
+# The down GEMM on 256-wide feature tiles (its 128 x 256 fp32 accumulator is gate/up's two
+# 128 x 128 ones: each activation row read half as often), persistent or not; persistent
+# launches of both GEMMs; run 51b's runner-up.
+CANDIDATES = "128x128x64w8s4d:256s3,128x128x64w8s4d:256s2,128x128x64w8s4:256s3,128x128x64w8s4p,64x256x64w8s3"
 CALLS_PER_GRAPH = 4
 TOLERANCE = 2e-2  # max |diff| over max |out|: two bf16 tilings' rounding, not a wrong product
-_CANDIDATE = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)([pd]?)")
+_CANDIDATE = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)([pd]?)(?::(\d+)s(\d+))?")
 
 
 def parse_candidate(text: str) -> MoeTiles:
     """``128x128x64w8s4``: rows, features, reduction chunk, warps, stages; a trailing ``p``
-    launches both GEMMs persistent (``MoeTiles.persistent``), ``d`` the down GEMM alone."""
+    launches both GEMMs persistent (``MoeTiles.persistent``), ``d`` the down GEMM alone; then
+    ``:256s3`` gives the down GEMM its own feature tile and stages."""
     match = _CANDIDATE.fullmatch(text.strip())
     if match is None:
-        raise ValueError(f"a tile is BLOCK_MxBLOCK_NxBLOCK_KwWARPSsSTAGES[p|d], e.g. 128x128x64w8s4, got {text!r}")
+        raise ValueError("a tile is BLOCK_MxBLOCK_NxBLOCK_KwWARPSsSTAGES[p|d][:DOWN_NsDOWN_STAGES], "
+                         f"e.g. 128x128x64w8s4d:256s3, got {text!r}")  # fmt: skip
     m, n, k, warps, stages = (int(g) for g in match.groups()[:5])
+    down_n, down_stages = (int(g) if g else None for g in match.groups()[6:])
     return MoeTiles(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages,
-                    persistent=match.group(6) == "p", persistent_down=match.group(6) == "d")  # fmt: skip
+                    persistent=match.group(6) == "p", persistent_down=match.group(6) == "d",
+                    down_block_n=down_n, down_num_stages=down_stages)  # fmt: skip
 
 
 def _inputs(tokens: int, experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, device: torch.device):
@@ -113,8 +119,10 @@ def run(device: torch.device, smoke: bool = False, candidates: list[MoeTiles] | 
 
 def tile_label(tiles: dict) -> str:
     """``parse_candidate``'s syntax for a tile set's dict."""
+    down = f":{tiles['down_block_n'] or tiles['block_n']}s{tiles['down_num_stages'] or tiles['num_stages']}"
     return (f"{tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']}w{tiles['num_warps']}s{tiles['num_stages']}"
-            + ("p" if tiles.get("persistent") else "d" if tiles.get("persistent_down") else ""))  # fmt: skip
+            + ("p" if tiles.get("persistent") else "d" if tiles.get("persistent_down") else "")
+            + (down if tiles.get("down_block_n") or tiles.get("down_num_stages") else ""))  # fmt: skip
 
 
 def summary_rows(res: dict) -> list[list]:

@@ -70,9 +70,20 @@ class MoeTiles:
     # ``p`` or ``d``.
     persistent: bool = False
     persistent_down: bool = False
+    # The down GEMM's own feature tile and stages (None: the ones above). Its rows reduce over
+    # I only, so a wider tile halves the re-reads of each activation row; in
+    # ``python -m siesta.bench.moe_tiles`` a tile's ``:256s3`` suffix.
+    down_block_n: int | None = None
+    down_num_stages: int | None = None
 
     def down_persistent(self) -> bool:
         return self.persistent or self.persistent_down
+
+    def down_n(self) -> int:
+        return self.down_block_n or self.block_n
+
+    def down_stages(self) -> int:
+        return self.down_num_stages or self.num_stages
 
 
 # Few pairs a tile (decode): small row tiles, wide feature tiles. Many (prefill): square-ish
@@ -199,8 +210,8 @@ def fused_moe(
     if tiles is None and uses_library(n):
         return grouped_mm_moe.grouped_mm_moe(x, weights, ids, gate_up, down)
     tiles = tiles or step_tiles(n, num_experts)
-    if x.element_size() > 2 and tiles.num_stages > WIDE_MAX_STAGES:
-        tiles = replace(tiles, num_stages=WIDE_MAX_STAGES)
+    if x.element_size() > 2 and max(tiles.num_stages, tiles.down_stages()) > WIDE_MAX_STAGES:
+        tiles = replace(tiles, num_stages=WIDE_MAX_STAGES, down_num_stages=WIDE_MAX_STAGES)
     a = align(ids, num_experts, tiles.block_m)
     x = x.contiguous()
     # fp32 weights are multiplied in fp32, not TF32 (Triton's default for fp32 dots).
@@ -216,13 +227,13 @@ def fused_moe(
     )  # fmt: skip
     pair_out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).contiguous()
-    grid, programs = _grid(a.max_tiles, triton.cdiv(hidden, tiles.block_n), tiles.down_persistent(), x.device)
+    grid, programs = _grid(a.max_tiles, triton.cdiv(hidden, tiles.down_n()), tiles.down_persistent(), x.device)
     _down_kernel[grid](
         act, down, pair_out, flat_weights, a.sorted_pairs, a.tile_expert, a.num_padded,
         n, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), down.stride(2), pair_out.stride(0),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
-        PERSISTENT=tiles.down_persistent(), PROGRAMS=programs, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n(), BLOCK_K=tiles.block_k, PRECISION=precision,
+        PERSISTENT=tiles.down_persistent(), PROGRAMS=programs, num_warps=tiles.num_warps, num_stages=tiles.down_stages(),
     )  # fmt: skip
     return sum_over_k(pair_out.view(t, k, hidden))
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 
 import pytest
 
 from siesta.bench import gpu
 from siesta.bench.moe import expected_experts_touched
+from siesta.bench.moe_tiles import tile_label
+from siesta.model import triton_moe
+from siesta.model.triton_moe import LARGE_PREFILL_TILES
 
 
 def test_experts_touched_is_the_uniform_expectation() -> None:
@@ -23,7 +27,7 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     args = gpu.build_parser().parse_args([])
     small = {"moe_model": "random:tiny-qwen3-moe", "moe_check_shape": "tiny-qwen3-moe", "moe_check_layers": 2,
              "moe_check_tokens": 160, "moe_prefill_tokens": 128, "moe_parts": ["sorted_small_batches", "library_prefill", "fidelity"],
-             "decode_batches": [1, 4],
+             "decode_batches": [1, 4], "moe_prefill_tiles": "128x128x64w8s4d:256s3",
              "decode_context": 32, "decode_steps": 2, "max_model_len": 512, "device": "cpu"}  # fmt: skip
     out = gpu.SECTIONS["moe"](argparse.Namespace(**(vars(args) | small)))
     json.dumps(out)
@@ -38,7 +42,13 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     # The prefill again with the library's grouped GEMM switched on (the CPU's experts are torch's
     # either way, so here only that the A/B runs and reads).
     assert out["library_prefill"]["tok_s"] > 0 and out["library_prefill"]["speedup_over_fused"] > 0
+    # The prefill again on other large-prefill tiles (the CPU's experts are torch's: only that it
+    # runs, reads, and leaves the shipped tiles in force).
+    tiles = out["prefill_tiles"]
+    assert tiles["128x128x64w8s4d:256s3"]["tok_s"] > 0 and tiles["shipped"] == tile_label(asdict(LARGE_PREFILL_TILES))
+    assert triton_moe.LARGE_PREFILL_TILES is LARGE_PREFILL_TILES
     rows = [r[0] for r in gpu.summary({"moe": out})]
+    assert "MoE prefill, tiles 128x128x64w8s4d:256s3 / shipped" in rows
     assert "MoE prefill 128: grouped_mm / fused" in rows
     assert "MoE decode batch1 tok/s" in rows and "MoE logprobs / trainer's bf16 floor" in rows
     assert "MoE decode batch1: pair kernels / sorted" in rows

@@ -19,7 +19,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU
 
 def test_the_smoke_run_with_a_candidate_tile() -> None:
     bad = MoeTiles(block_m=16, block_n=24, block_k=16, num_warps=4, num_stages=1)  # tl.arange needs a power of 2
-    res = mt.run(DEVICE, smoke=True, candidates=[mt.parse_candidate("16x32x32w4s2"), bad])
+    res = mt.run(DEVICE, smoke=True, candidates=[mt.parse_candidate("16x32x32w4s2d:64s1"), bad])
     json.dumps(res)
     assert [r["tokens"] for r in res["rows"]] == list(mt.SMOKE_TOKENS)
     for row in res["rows"]:
@@ -41,6 +41,9 @@ def test_parse_candidate() -> None:
                                                             num_stages=4, persistent=True)  # fmt: skip
     down_only = mt.parse_candidate("128x64x32w8s4d")
     assert down_only.persistent_down and not down_only.persistent and down_only.down_persistent()
+    wide_down = mt.parse_candidate("128x128x64w8s4d:256s3")
+    assert (wide_down.down_n(), wide_down.down_stages(), wide_down.block_n, wide_down.num_stages) == (256, 3, 128, 4)
+    assert (down_only.down_n(), down_only.down_stages()) == (64, 4)
     assert all(mt.tile_label(asdict(mt.parse_candidate(c))) == c for c in mt.CANDIDATES.split(","))
 
 

@@ -361,6 +361,17 @@ def test_persistent_kernels_give_the_tiles_own_bits(case: Case, tiles: MoeTiles)
     _assert_close(out, _oracle(x, weights, ids, gate_up, down), FP32_TOL)
 
 
+@pytest.mark.parametrize("case", [Case(300, 2, 4, 200, 80, skew=True), Case(40, 2, 4, 600, 48)], ids=lambda c: c.id)
+def test_the_down_gemms_own_feature_tile(case: Case) -> None:
+    """The down GEMM on a feature tile wider than gate/up's (past H, and H in several tiles with
+    a tail), persistent or not, with its own stage count: the oracle's result."""
+    x, weights, ids, gate_up, down = _inputs(case, torch.float32)
+    expected = _oracle(x, weights, ids, gate_up, down)
+    wide = replace(LARGE_PREFILL_TILES, down_block_n=256, down_num_stages=1)
+    for tiles in (wide, replace(wide, persistent_down=False)):
+        _assert_close(_fused(x, weights, ids, gate_up, down, tiles), expected, FP32_TOL)
+
+
 def test_fused_moe_strided_inputs() -> None:
     """x as a column slice of a wider tensor and the weights as views with other strides (the
     kernels take strides, copying only x)."""
