@@ -525,19 +525,29 @@ def _ipc_arms(o: SimpleNamespace, source: Any, tensors: dict[str, torch.Tensor],
                 out["changed_by_push"] = before != after
                 return out
 
-            _run_arm(check, "bf16_push", correctness)
+            # A transformers copy of the model beside the trainer's and the engine's (on one card,
+            # the 30B MoE's 61 GB would be a third): checked where it fits, else said so.
+            if _fits(dev, res["bytes"]):
+                _run_arm(check, "bf16_push", correctness)
+            else:
+                check["bf16_push"] = {"skipped": f"a transformers copy ({res['bytes'] / GB:.0f} GB) does not fit"}
             _empty_cache(dev)
             # The same weights again, by other paths: the engine's greedy run must not move.
             packed = {"packed": True, "bucket_bytes": o.wt_bucket_bytes}
             _run_arm(res, "ipc_packed", lambda: _push_arm(client, tensors, o, **packed))
             check["packed_push"] = _same(after, _engine_logprobs(client, prompt, n))
-            masters = {k: t.float() for k, t in tensors.items()}  # fp32 masters whose bf16 cast is `tensors`
-            _run_arm(res, "plain_cast_copy",
-                     functools.partial(_copy_arm, list(masters.values()), torch.bfloat16, o.wt_reps, dev))
-            _run_arm(res, "ipc_fp32", functools.partial(_push_arm, client, masters, o))
-            del masters
-            _empty_cache(dev)
-            check["fp32_push"] = _same(after, _engine_logprobs(client, prompt, n))
+            # fp32 masters whose bf16 cast is `tensors` (twice their bytes), and the cast copy's
+            # destination (as many again).
+            if _fits(dev, 3 * res["bytes"]):
+                masters = {k: t.float() for k, t in tensors.items()}
+                cast = functools.partial(_copy_arm, list(masters.values()), torch.bfloat16, o.wt_reps, dev)
+                _run_arm(res, "plain_cast_copy", cast)
+                _run_arm(res, "ipc_fp32", functools.partial(_push_arm, client, masters, o))
+                del masters
+                _empty_cache(dev)
+                check["fp32_push"] = _same(after, _engine_logprobs(client, prompt, n))
+            else:
+                res["ipc_fp32"] = {"skipped": f"fp32 masters ({2 * res['bytes'] / GB:.0f} GB) do not fit"}
             _run_arm(res, "rl_step", lambda: _rl_step_arm(client, tensors, o))
             check["rl_step_push"] = _same(after, _engine_logprobs(client, prompt, n))
             res["engine_transfer_bytes_total"] = _metric(client, TRANSFER_BYTES.format("ipc"))
@@ -545,6 +555,14 @@ def _ipc_arms(o: SimpleNamespace, source: Any, tensors: dict[str, torch.Tensor],
         raise RuntimeError(f"{type(e).__name__}: {e}\nengine log:\n{engine.log_tail()}") from e
     finally:
         engine.stop()
+
+
+def _fits(device: torch.device, nbytes: int) -> bool:
+    """Whether ``nbytes`` more fit on ``device`` now (the host, a CPU run: always)."""
+    if device.type != "cuda":
+        return True
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0] > nbytes
 
 
 def _empty_cache(device: torch.device) -> None:

@@ -56,3 +56,19 @@ def test_the_gpu_bench_namespace_gets_this_benchs_defaults():
     o = wt._opts(argparse.Namespace(model="random:llama-3-8b", device="cpu", max_model_len=32768))
     assert o.wt_reps == wt.DEFAULTS["wt_reps"] and o.wt_bucket_bytes == 512 << 20
     assert o.device == torch.device("cpu")
+
+
+def test_copies_that_do_not_fit_beside_the_engine_are_skipped_and_said(monkeypatch):
+    """The 30B MoE's 61 GB on one card: the trainer's and the engine's copies fit, a transformers
+    copy or fp32 masters would not. Those checks say so, and the pushes still run and are checked."""
+    assert wt._fits(torch.device("cpu"), 1 << 62)  # a CPU run keeps its copies in host memory
+    monkeypatch.setattr(wt, "_fits", lambda device, nbytes: False)
+    args = argparse.Namespace(model="random:tiny-llama", device="cpu", wt_reps=1, wt_rl_steps=1,
+                              wt_kv_cache_bytes=32 << 20, wt_engine_max_model_len=256, wt_bucket_bytes=64 << 10,
+                              wt_prompt_len=12, wt_check_tokens=4, wt_startup_timeout_s=300.0, wt_skip_nccl=True)  # fmt: skip
+    res = wt.weight_transfer(args)
+    json.dumps(res)
+    assert "does not fit" in res["correctness"]["bf16_push"]["skipped"]
+    assert "do not fit" in res["ipc_fp32"]["skipped"] and "plain_cast_copy" not in res
+    assert res["ipc"]["bytes"] > 0 and res["correctness"]["packed_push"]["same_tokens"]
+    assert res["correctness"]["rl_step_push"] == {"same_tokens": True, "max_abs_logprob_diff": 0.0}
