@@ -22,6 +22,30 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(int(os.environ.get("SIESTA_TEST_THREADS", max(1, (os.cpu_count() or 1) // _WORKERS))))
 
 
+def _row_independent_interpreter_dot() -> None:
+    """Triton's interpreter multiplies a tile with ``np.matmul``, and OpenBLAS's AVX2 kernels sum
+    a row's products in an order that depends on where the row sits in the tile (seen on an AVX2
+    EPYC: a row moved within a 64-row tile changes its last bits). A GPU's MMA gives a row the same
+    bits wherever it sits, which is what the batch-invariance tests check. So here each output
+    element is summed over K by ``np.einsum``'s loop, the same way in any place, on any CPU."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_data, b_data = a.data, b.data
+        if any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b)):  # fp8: as Triton does
+            a_data = interpreter._convert_float(a_data, a.dtype, interpreter.tl.float16, None).view(np.float16)
+            b_data = interpreter._convert_float(b_data, b.dtype, interpreter.tl.float16, None).view(np.float16)
+        product = np.einsum("...mk,...kn->...mn", a_data, b_data, dtype=d.data.dtype)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _row_independent_interpreter_dot()
+
+
 @pytest.fixture(scope="session")
 def embedded_source():
     from siesta.model.loader import resolve_model

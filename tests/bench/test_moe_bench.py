@@ -46,7 +46,7 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     # runs, reads, and leaves the shipped tiles in force).
     tiles = out["prefill_tiles"]
     assert tiles["128x128x64w8s4d:256s3"]["tok_s"] > 0 and tiles["shipped"] == tile_label(asdict(LARGE_PREFILL_TILES))
-    assert triton_moe.LARGE_PREFILL_TILES is LARGE_PREFILL_TILES
+    assert triton_moe.LARGE_PREFILL_TILES == LARGE_PREFILL_TILES
     rows = [r[0] for r in gpu.summary({"moe": out})]
     assert "MoE prefill, tiles 128x128x64w8s4d:256s3 / shipped" in rows
     assert "MoE prefill 128: grouped_mm / fused" in rows
