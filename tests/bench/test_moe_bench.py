@@ -13,7 +13,6 @@ from siesta.bench import gpu
 from siesta.bench.moe import expected_experts_touched
 from siesta.bench.moe_tiles import tile_label
 from siesta.model import triton_moe
-from siesta.model.triton_moe import LARGE_PREFILL_TILES
 
 
 def test_experts_touched_is_the_uniform_expectation() -> None:
@@ -29,6 +28,7 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
              "moe_check_tokens": 160, "moe_prefill_tokens": 128, "moe_parts": ["sorted_small_batches", "library_prefill", "fidelity"],
              "decode_batches": [1, 4], "moe_prefill_tiles": "128x128x64w8s4d:256s3",
              "decode_context": 32, "decode_steps": 2, "max_model_len": 512, "device": "cpu"}  # fmt: skip
+    shipped = triton_moe.LARGE_PREFILL_TILES
     out = gpu.SECTIONS["moe"](argparse.Namespace(**(vars(args) | small)))
     json.dumps(out)
     assert out["decode"]["batch1"]["experts_touched_per_layer"] == pytest.approx(2.0)
@@ -45,8 +45,8 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     # The prefill again on other large-prefill tiles (the CPU's experts are torch's: only that it
     # runs, reads, and leaves the shipped tiles in force).
     tiles = out["prefill_tiles"]
-    assert tiles["128x128x64w8s4d:256s3"]["tok_s"] > 0 and tiles["shipped"] == tile_label(asdict(LARGE_PREFILL_TILES))
-    assert triton_moe.LARGE_PREFILL_TILES == LARGE_PREFILL_TILES
+    assert tiles["128x128x64w8s4d:256s3"]["tok_s"] > 0 and tiles["shipped"] == tile_label(asdict(shipped))
+    assert triton_moe.LARGE_PREFILL_TILES is shipped
     rows = [r[0] for r in gpu.summary({"moe": out})]
     assert "MoE prefill, tiles 128x128x64w8s4d:256s3 / shipped" in rows
     assert "MoE prefill 128: grouped_mm / fused" in rows
