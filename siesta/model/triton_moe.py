@@ -210,8 +210,9 @@ def fused_moe(
     if tiles is None and uses_library(n):
         return grouped_mm_moe.grouped_mm_moe(x, weights, ids, gate_up, down)
     tiles = tiles or step_tiles(n, num_experts)
-    if x.element_size() > 2 and max(tiles.num_stages, tiles.down_stages()) > WIDE_MAX_STAGES:
-        tiles = replace(tiles, num_stages=WIDE_MAX_STAGES, down_num_stages=WIDE_MAX_STAGES)
+    if x.element_size() > 2:  # each GEMM capped on its own: fewer stages than the cap stay
+        tiles = replace(tiles, num_stages=min(tiles.num_stages, WIDE_MAX_STAGES),
+                        down_num_stages=min(tiles.down_stages(), WIDE_MAX_STAGES))  # fmt: skip
     a = align(ids, num_experts, tiles.block_m)
     x = x.contiguous()
     # fp32 weights are multiplied in fp32, not TF32 (Triton's default for fp32 dots).

@@ -362,14 +362,33 @@ def test_persistent_kernels_give_the_tiles_own_bits(case: Case, tiles: MoeTiles)
 
 
 @pytest.mark.parametrize("case", [Case(300, 2, 4, 200, 80, skew=True), Case(40, 2, 4, 600, 48)], ids=lambda c: c.id)
-def test_the_down_gemms_own_feature_tile(case: Case) -> None:
+def test_the_down_gemms_own_feature_tile(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     """The down GEMM on a feature tile wider than gate/up's (past H, and H in several tiles with
-    a tail), persistent or not, with its own stage count: the oracle's result."""
+    a tail), persistent or not, with its own stage count: the oracle's result, and launched on
+    that tile while gate/up keeps its own."""
     x, weights, ids, gate_up, down = _inputs(case, torch.float32)
     expected = _oracle(x, weights, ids, gate_up, down)
+    launched: list[tuple[str, int, int]] = []
+
+    def recording(name: str, kernel):
+        class Launch:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    launched.append((name, kw["BLOCK_N"], kw["num_stages"]))
+                    return kernel[grid](*args, **kw)
+
+                return launch
+
+        return Launch()
+
+    monkeypatch.setattr(triton_moe, "_down_kernel", recording("down", triton_moe._down_kernel))
+    monkeypatch.setattr(triton_moe, "_gate_up_kernel", recording("gate_up", triton_moe._gate_up_kernel))
     wide = replace(LARGE_PREFILL_TILES, down_block_n=256, down_num_stages=1)
     for tiles in (wide, replace(wide, persistent_down=False)):
+        launched.clear()
         _assert_close(_fused(x, weights, ids, gate_up, down, tiles), expected, FP32_TOL)
+        gate_up_stages = min(tiles.num_stages, triton_moe.WIDE_MAX_STAGES)  # fp32 experts
+        assert launched == [("gate_up", tiles.block_n, gate_up_stages), ("down", 256, 1)]
 
 
 def test_fused_moe_strided_inputs() -> None:
