@@ -29,13 +29,14 @@ def _row_independent_interpreter_dot() -> None:
     bits wherever it sits, which is what the batch-invariance tests check. So here each output
     element is summed over K by ``np.einsum``'s loop, the same way in any place, on any CPU."""
     import numpy as np
+    import triton.language as tl
     from triton.runtime import interpreter
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         a_data, b_data = a.data, b.data
         if any(t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating() for t in (a, b)):  # fp8: as Triton does
-            a_data = interpreter._convert_float(a_data, a.dtype, interpreter.tl.float16, None).view(np.float16)
-            b_data = interpreter._convert_float(b_data, b.dtype, interpreter.tl.float16, None).view(np.float16)
+            a_data = interpreter._convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+            b_data = interpreter._convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
         product = np.einsum("...mk,...kn->...mn", a_data, b_data, dtype=d.data.dtype)
         return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
 

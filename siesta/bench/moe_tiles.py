@@ -119,10 +119,10 @@ def run(device: torch.device, smoke: bool = False, candidates: list[MoeTiles] | 
 
 def tile_label(tiles: dict) -> str:
     """``parse_candidate``'s syntax for a tile set's dict."""
-    down = f":{tiles['down_block_n'] or tiles['block_n']}s{tiles['down_num_stages'] or tiles['num_stages']}"
+    down_n, down_stages = tiles.get("down_block_n"), tiles.get("down_num_stages")
     return (f"{tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']}w{tiles['num_warps']}s{tiles['num_stages']}"
             + ("p" if tiles.get("persistent") else "d" if tiles.get("persistent_down") else "")
-            + (down if tiles.get("down_block_n") or tiles.get("down_num_stages") else ""))  # fmt: skip
+            + (f":{down_n or tiles['block_n']}s{down_stages or tiles['num_stages']}" if down_n or down_stages else ""))  # fmt: skip
 
 
 def summary_rows(res: dict) -> list[list]:
