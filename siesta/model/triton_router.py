@@ -37,14 +37,18 @@ def _route_kernel(
     logits = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
-    left = tl.where(offs < E, probs, -1.0)  # past E: below every probability, never picked
+    # A NaN ranks above every probability, as in torch's top-k: a row gone non-finite keeps
+    # expert ids in range (an id of E would trip an index assert that ends the engine's CUDA
+    # context) and NaN weights that carry the fault to its request's output.
+    left = tl.where(probs != probs, 2.0, probs)  # 2.0: above every probability (at most 1)
+    left = tl.where(offs < E, left, -1.0)  # past E: below every probability, never picked
     slots = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
     ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
     for j in tl.static_range(TOP_K):
         best = tl.max(left, axis=0)
         pick = tl.min(tl.where(left == best, offs, BLOCK_E), axis=0)  # the lowest index among ties
-        weights = tl.where(slots == j, best, weights)
+        weights = tl.where(slots == j, tl.where(best > 1.0, float("nan"), best), weights)
         ids = tl.where(slots == j, pick.to(tl.int64), ids)
         left = tl.where(offs == pick, -2.0, left)
     if NORMALIZE:

@@ -65,6 +65,27 @@ def test_ties_go_to_the_lowest_expert_and_each_expert_once() -> None:
     assert torch.allclose(weights[0], torch.full((4,), 1 / 16, device=DEVICE))
 
 
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm_topk_prob", "raw"])
+def test_a_non_finite_row_keeps_its_ids_in_range_and_its_weights_nan(normalize: bool) -> None:
+    """A token whose hidden state went non-finite must not pick expert E (past the last): the
+    sort by expert indexes with that id, and the device assert it trips ends the engine's CUDA
+    context (an H100 run did so). NaN ranks first, as in torch's top-k; the weights stay NaN,
+    so the fault reaches that token's output and no other row changes."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 128, generator=gen).to(DEVICE)
+    logits[1, 7] = float("nan")
+    logits[2] = float("nan")
+    logits[3, 40] = float("inf")  # inf - max is NaN for that lane: the row's softmax is NaN
+    logits[4] = float("-inf")
+    weights, ids = route(logits, 8, normalize, torch.float32)
+    assert ((ids >= 0) & (ids < 128)).all(), ids
+    assert all(len(set(row)) == 8 for row in ids.tolist())
+    assert torch.isnan(weights[1:]).all()
+    want_w, want_ids = route_reference(logits[:1], 8, normalize, torch.float32)
+    assert torch.equal(ids[:1], want_ids)
+    torch.testing.assert_close(weights[:1], want_w, rtol=1e-6, atol=1e-6)
+
+
 def test_a_strided_view_and_no_tokens() -> None:
     base = torch.randn(6, 40, device=DEVICE)
     view = base[:, :20]  # rows 40 apart
