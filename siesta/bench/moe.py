@@ -40,6 +40,8 @@ from siesta.bench.steps import (
 )
 
 BF16_PEAK_FLOPS = 989e12
+# The prefill_tiles part's prompts: seeds past the shipped run's (40 to 44).
+PREFILL_TILES_SEED = 100
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 
 
@@ -81,7 +83,10 @@ def decode(llm, batches: list[int], context: int, steps: int) -> dict[str, Any]:
     return res
 
 
-def prefill(llm, n: int, reps: int = 3) -> dict[str, Any]:
+def prefill(llm, n: int, reps: int = 3, seed: int = 40) -> dict[str, Any]:
+    """An ``n``-token prompt prefilled whole, ``reps`` times (the last timed), then once under the
+    profiler and once under the host-call counter: each a prompt of its own from ``seed`` on, so
+    no run hits the prefix cache another left behind."""
     from siesta import SamplingParams
     from siesta.bench.common import random_prompts
 
@@ -90,8 +95,9 @@ def prefill(llm, n: int, reps: int = 3) -> dict[str, Any]:
     sizes = _model_bytes(model)
     active = (sizes["dense"] + sizes["experts"] * shape.top_k / shape.num_experts) / 2  # bf16 parameters
     dt = float("nan")
+    hits_before = llm.get_metrics()["siesta_prefix_cache_hits_total"]
     for rep in range(reps):  # the first run compiles
-        prompt = random_prompts(1, n, n, llm.engine.vocab_size, seed=40 + rep)[0]
+        prompt = random_prompts(1, n, n, llm.engine.vocab_size, seed=seed + rep)[0]
         sync()
         t0 = time.perf_counter()
         llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)
@@ -100,16 +106,18 @@ def prefill(llm, n: int, reps: int = 3) -> dict[str, Any]:
     attn = 2 * 2 * shape.num_layers * shape.num_heads * shape.head_dim * n * n / 2
     flops = 2 * active * n + attn
     # Where the prefill's time goes (the MFU goal is 60 %): one more run under the profiler.
-    prompt = random_prompts(1, n, n, llm.engine.vocab_size, seed=40 + reps)[0]
+    prompt = random_prompts(1, n, n, llm.engine.vocab_size, seed=seed + reps)[0]
     idle: dict[str, float] = {}
     busy_ms, launches, top = device_kernels(
         lambda: llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False),
         top=PROFILE_TOP_KERNELS, idle=idle)  # fmt: skip
     # And where its host time goes: the step runs eagerly (past the piecewise graphs' buckets).
-    prompt = random_prompts(1, n, n, llm.engine.vocab_size, seed=41 + reps)[0]
+    prompt = random_prompts(1, n, n, llm.engine.vocab_size, seed=seed + reps + 1)[0]
     host = host_calls(lambda: llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1),
                                            use_tqdm=False), top=PROFILE_TOP_KERNELS)  # fmt: skip
+    hits = llm.get_metrics()["siesta_prefix_cache_hits_total"] - hits_before
     return {"tokens": n, "s": dt, "tok_s": n / dt, "active_params": active, "mfu": flops / dt / BF16_PEAK_FLOPS,
+            "prefix_cache_hit_tokens": int(hits),
             "kernels": {"device_busy_ms": busy_ms, "launches": launches, "top_kernels_ms": top, "idle_before_ms": idle},
             "host": host}  # fmt: skip
 
@@ -210,14 +218,15 @@ def _prefill_tiles(llm, n: int, candidates: str, shipped: dict[str, Any]) -> dic
     saved = triton_moe.LARGE_PREFILL_TILES
     out: dict[str, Any] = {"shipped": tile_label(asdict(saved)), "shipped_kernels_ms": _expert_kernel_ms(shipped)}
     try:
-        for text in candidates.split(","):
+        for i, text in enumerate(candidates.split(",")):
             triton_moe.LARGE_PREFILL_TILES = parse_candidate(text)
-            try:
-                res = prefill(llm, n)
+            try:  # prompts of its own: the shipped run's would hit the prefix cache (a 16-token step)
+                res = prefill(llm, n, seed=PREFILL_TILES_SEED + 10 * i)
             except Exception as e:  # noqa: BLE001 - a tile the card cannot hold is a result too
                 out[text] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 continue
             out[text] = {"tok_s": res["tok_s"], "mfu": res["mfu"], "over_shipped": res["tok_s"] / shipped["tok_s"],
+                         "prefix_cache_hit_tokens": res["prefix_cache_hit_tokens"],
                          "kernels_ms": _expert_kernel_ms(res), "device_busy_ms": res["kernels"]["device_busy_ms"]}  # fmt: skip
     finally:
         triton_moe.LARGE_PREFILL_TILES = saved

@@ -47,6 +47,10 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     tiles = out["prefill_tiles"]
     assert tiles["128x128x64w8s4d:256s3"]["tok_s"] > 0 and tiles["shipped"] == tile_label(asdict(shipped))
     assert triton_moe.LARGE_PREFILL_TILES is shipped
+    # Every timed prompt was prefilled whole: none hit the prefix cache an earlier run left (on
+    # an H100 the A/B's first prompt did, and its 16-token step was all it timed).
+    assert out["prefill"]["prefix_cache_hit_tokens"] == 0
+    assert tiles["128x128x64w8s4d:256s3"]["prefix_cache_hit_tokens"] == 0
     rows = [r[0] for r in gpu.summary({"moe": out})]
     assert "MoE prefill, tiles 128x128x64w8s4d:256s3 / shipped" in rows
     assert "MoE prefill 128: grouped_mm / fused" in rows
