@@ -75,4 +75,3 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype)
             NORMALIZE=normalize,
         )  # fmt: skip
     return weights, ids
-
