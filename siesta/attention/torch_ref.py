@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.kv_quant import dequantize, quantize
@@ -23,6 +22,13 @@ DECODE_GROUP_SPREAD = 1.25
 # it (2-core EPYC, SmolLM2 heads, 64 rows at context 600-1,100: 63 ms a layer in one
 # group, 12 ms in groups of ~4 MiB).
 DECODE_GROUP_BYTES = 4 << 20
+
+
+def _causal_lower_right(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
+    """Query i sees keys up to ``ctx_len - q_len + i``: the mask ``torch.nn.attention.bias``'s
+    lower-right causal bias builds off CUDA. Built here because importing that module imports
+    torch._dynamo, 1.3 s of every engine process's start."""
+    return torch.ones(q_len, ctx_len, dtype=torch.bool, device=device).tril(diagonal=ctx_len - q_len)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer_idx: int, slot_mapping: torch.Tensor) -> None:
@@ -96,7 +102,7 @@ class TorchAttention:
                 k_scale, v_scale = kv_cache.layer_scales(layer_idx)
                 ctx_k, ctx_v = dequantize(ctx_k, k_scale, q.dtype), dequantize(ctx_v, v_scale, q.dtype)
         # Query j sits at position ctx_len - q_len + j: causal, aligned to the bottom right.
-        mask = None if ctx_len == q_len else causal_lower_right(q_len, ctx_len)
+        mask = None if ctx_len == q_len else _causal_lower_right(q_len, ctx_len, q.device)
         # [1, heads, tokens, dim] views; enable_gqa shares each KV head without copying it.
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None].to(ctx_k.dtype),
