@@ -95,9 +95,14 @@ class MoeTiles:
 # one-tile-a-program time at 2k and 8k tokens in the sweep (slower at 16 to 256 tokens), but in
 # the 8k prefill gate/up went from 37.0 to 42.5 ms while down went from 34.7 to 27.6: only down,
 # whose I = 768 reduction leaves each tile's prologue and epilogue exposed, runs persistent.
+# The down GEMM on a 128 x 256 feature tile (3 stages; ``MoeTiles.down_block_n`` says why): in
+# the sweep 0.966x the 128-wide tile's time for both GEMMs at 8k tokens, even at 2k (H100 run
+# 57a); in the 8k prefill of one eager engine, alternating tiles on fresh prompts, 159.6-162.0 ms
+# against 163.5-166.9 (run 57b, ~2 % of the step).
 DECODE_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 PREFILL_TILES = MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
-LARGE_PREFILL_TILES = MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, persistent_down=True)
+LARGE_PREFILL_TILES = MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, persistent_down=True,
+                               down_block_n=256, down_num_stages=3)  # fmt: skip
 # fp32 experts (tests, the CPU-sized shapes) at most this many stages: a 4-stage 128-row fp32
 # tile needs 304 KiB of shared memory, over Hopper's 227.
 WIDE_MAX_STAGES = 2

@@ -26,7 +26,7 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     args = gpu.build_parser().parse_args([])
     small = {"moe_model": "random:tiny-qwen3-moe", "moe_check_shape": "tiny-qwen3-moe", "moe_check_layers": 2,
              "moe_check_tokens": 160, "moe_prefill_tokens": 128, "moe_parts": ["sorted_small_batches", "library_prefill", "fidelity"],
-             "decode_batches": [1, 4], "moe_prefill_tiles": "128x128x64w8s4d:256s3",
+             "decode_batches": [1, 4], "moe_prefill_tiles": "128x128x64w8s4d",
              "decode_context": 32, "decode_steps": 2, "max_model_len": 512, "device": "cpu"}  # fmt: skip
     shipped = triton_moe.LARGE_PREFILL_TILES
     out = gpu.SECTIONS["moe"](argparse.Namespace(**(vars(args) | small)))
@@ -45,14 +45,14 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     # The prefill again on other large-prefill tiles (the CPU's experts are torch's: only that it
     # runs, reads, and leaves the shipped tiles in force).
     tiles = out["prefill_tiles"]
-    assert tiles["128x128x64w8s4d:256s3"]["tok_s"] > 0 and tiles["shipped"] == tile_label(asdict(shipped))
+    assert tiles["128x128x64w8s4d"]["tok_s"] > 0 and tiles["shipped"] == tile_label(asdict(shipped))
     assert triton_moe.LARGE_PREFILL_TILES is shipped
     # Every timed prompt was prefilled whole: none hit the prefix cache an earlier run left (on
     # an H100 the A/B's first prompt did, and its 16-token step was all it timed).
     assert out["prefill"]["prefix_cache_hit_tokens"] == 0
-    assert tiles["128x128x64w8s4d:256s3"]["prefix_cache_hit_tokens"] == 0
+    assert tiles["128x128x64w8s4d"]["prefix_cache_hit_tokens"] == 0
     rows = [r[0] for r in gpu.summary({"moe": out})]
-    assert "MoE prefill, tiles 128x128x64w8s4d:256s3 / shipped" in rows
+    assert "MoE prefill, tiles 128x128x64w8s4d / shipped" in rows
     assert "MoE prefill 128: grouped_mm / fused" in rows
     assert "MoE decode batch1 tok/s" in rows and "MoE logprobs / trainer's bf16 floor" in rows
     assert "MoE decode batch1: pair kernels / sorted" in rows
