@@ -40,7 +40,8 @@ def _route_kernel(
     # A NaN ranks above every probability, as in torch's top-k: a row gone non-finite keeps
     # expert ids in range (an id of E would trip an index assert that ends the engine's CUDA
     # context) and NaN weights that carry the fault to its request's output.
-    left = tl.where(probs != probs, 2.0, probs)  # 2.0: above every probability (at most 1)
+    # 2.0: above every probability (at most 1, give or take a rounding of the division, hence 1.5 below).
+    left = tl.where(probs != probs, 2.0, probs)
     left = tl.where(offs < E, left, -1.0)  # past E: below every probability, never picked
     slots = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -48,7 +49,7 @@ def _route_kernel(
     for j in tl.static_range(TOP_K):
         best = tl.max(left, axis=0)
         pick = tl.min(tl.where(left == best, offs, BLOCK_E), axis=0)  # the lowest index among ties
-        weights = tl.where(slots == j, tl.where(best > 1.0, float("nan"), best), weights)
+        weights = tl.where(slots == j, tl.where(best > 1.5, float("nan"), best), weights)
         ids = tl.where(slots == j, pick.to(tl.int64), ids)
         left = tl.where(offs == pick, -2.0, left)
     if NORMALIZE:

@@ -73,6 +73,7 @@ def test_a_non_finite_row_keeps_its_ids_in_range_and_its_weights_nan(normalize: 
     so the fault reaches that token's output and no other row changes."""
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(5, 128, generator=gen).to(DEVICE)
+    logits[0, 9] = 30.0  # a probability of 1 (to the division's rounding) stays a weight, not NaN
     logits[1, 7] = float("nan")
     logits[2] = float("nan")
     logits[3, 40] = float("inf")  # inf - max is NaN for that lane: the row's softmax is NaN
