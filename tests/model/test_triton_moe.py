@@ -38,11 +38,11 @@ triton = pytest.importorskip("triton")
 
 # @triton.jit reads TRITON_INTERPRET when a kernel is defined: a module imported before the
 # flag was set must be loaded again.
-for _name in ("siesta.model.triton_moe",):
+for _name in ("siesta.model.triton_moe", "siesta.model.triton_router"):
     if _name in sys.modules:
         importlib.reload(sys.modules[_name])
 
-from siesta.model import batch_invariant, triton_moe
+from siesta.model import batch_invariant, triton_moe, triton_router
 from siesta.model.moe import experts_reference, sum_over_k
 from siesta.model.triton_moe import (
     DECODE_TILES,
@@ -408,6 +408,32 @@ def test_fused_moe_no_tokens() -> None:
     x, weights, ids, gate_up, down = _inputs(case, torch.float32)
     out = fused_moe(x, weights, ids, gate_up, down)
     assert out.shape == (0, 64)
+
+
+@pytest.mark.parametrize("tokens,bad", [(2, [0]), (12, [1, 11]), (40, [0, 17, 39])], ids=["pairs", "T12", "T40"])
+def test_non_finite_rows_stay_in_their_own_rows_through_the_router_and_experts(tokens: int, bad: list[int]) -> None:
+    """A whole-step mixed graph pads a step to its bucket; attention skips the padding tokens, so
+    their rows carry whatever the graph pool's memory held, NaN included, through every sparse
+    layer. The layer routes and sorts every row together: such a row must not stop the step (an
+    expert id of E trips the sort's indexing, and on a GPU that assert ends the CUDA context, as
+    on an H100) nor change any other row. The router and the experts both run here (Triton's
+    interpreter without a GPU); the finite rows get what a step without the bad ones gives."""
+    case = Case(tokens, 2, 8, 64, 32)
+    x, _, _, gate_up, down = _inputs(case, torch.float32)
+    router = torch.randn(case.experts, case.hidden, generator=_gen(case, salt=1)).to(DEVICE)
+    x[bad[0]] = math.nan
+    if len(bad) > 1:
+        x[bad[1], 3] = math.inf
+        x[bad[2:], :] = -math.inf
+    weights, ids = triton_router.route(x @ router.T, case.top_k, True, torch.float32)
+    assert ((ids >= 0) & (ids < case.experts)).all()
+    out = _fused(x, weights, ids, gate_up, down)
+    good = torch.tensor([t for t in range(tokens) if t not in bad], device=DEVICE)
+    assert torch.isnan(out[bad]).all(dim=-1).all()
+    x_good = x[good]
+    w_good, ids_good = triton_router.route(x_good @ router.T, case.top_k, True, torch.float32)
+    assert torch.equal(ids[good], ids_good)
+    _assert_close(out[good], _oracle(x_good, w_good, ids_good, gate_up, down), FP32_TOL)
 
 
 # ---------------------------------------------------------------------------- one or two tokens
