@@ -62,7 +62,7 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     kind = params["rope_type"]
     if kind == "default":
         return inv_freq
@@ -91,8 +91,11 @@ class RotaryEmbedding(nn.Module):
 
     def build_tables(self, device: torch.device | None) -> None:
         """(Re)compute the fp32 tables, e.g. after the module was materialised from the meta device."""
+        # Computed on the CPU, then moved: where the default device is meta, torch would trace
+        # this through its decompositions, whose first use imports torch._dynamo (0.6 s).
+        device = torch.get_default_device() if device is None else device
         inv_freq = inverse_frequencies(self.head_dim, self.params)
-        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        freqs = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos().to(device), persistent=False)
         self.register_buffer("sin", emb.sin().to(device), persistent=False)
@@ -193,7 +196,11 @@ def _triton_matmul():
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and names) through ``linear``."""
+    """``nn.Linear`` (same parameters and names) through ``linear``. Not initialised: every
+    weight is loaded (see ``Embedding``)."""
+
+    def reset_parameters(self) -> None:
+        pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -202,6 +209,15 @@ class Linear(nn.Linear):
         """The product in fp32 (inputs, weights and sums), whatever the weights' dtype."""
         bias = None if self.bias is None else self.bias.float()
         return linear(x.float(), self.weight.float(), bias)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding``, not initialised: every weight is loaded. (Its normal init on the meta
+    device goes through torch's decompositions, whose first use imports ``torch._dynamo``: 0.6 s
+    of every engine process's start.)"""
+
+    def reset_parameters(self) -> None:
+        pass
 
 
 def _cpu_linear():

@@ -23,7 +23,7 @@ from torch import nn
 from siesta.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from siesta.model import llama_names
 from siesta.model.interface import KVLayout, PiecewiseLayer, RoutingSink
-from siesta.model.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
+from siesta.model.layers import Embedding, Linear, MergedLinear, RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
 from siesta.model.registry import SUPPORTED_MODEL_TYPES, check_model_type
 from siesta.model.tensor_parallel import LocalShape, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from siesta.model.weights import UNPLANNED, CheckpointPart, Place, Plan, WeightCut, WeightTarget
@@ -227,7 +227,7 @@ class DecoderModel(nn.Module):
     ) -> None:
         super().__init__()
         if tp.size == 1:
-            self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+            self.embed_tokens = Embedding(shape.vocab_size, shape.hidden_size)
         else:
             self.embed_tokens = VocabParallelEmbedding(local, shape.hidden_size, tp)
         # One table shared by every layer; not a parameter, never loaded.

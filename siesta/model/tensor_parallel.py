@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from siesta.model.layers import Linear, linear
+from siesta.model.layers import Embedding, Linear, linear
 from siesta.model.parallel import TensorParallel
 
 
@@ -104,7 +104,7 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out + self.bias
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(Embedding):
     """This rank's rows of the embedding: ids outside them look up zeros, and the sum over the
     ranks is each id's row. No host sync: the mask is computed on the device."""
 

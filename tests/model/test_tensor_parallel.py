@@ -21,7 +21,7 @@ from threads import single_thread
 from tp_ranks import BROADCAST_SEED, CASES, EMBEDDED, FUSED_SEED, TRAINER_SEED, UPDATE_CASE, Job
 
 from siesta.attention.torch_ref import TorchAttention
-from siesta.model.layers import Linear
+from siesta.model.layers import Embedding, Linear
 from siesta.model.llama import CausalLM
 from siesta.model.parallel import SINGLE, TensorParallel
 from siesta.weight_transfer.sender import free_port
@@ -212,7 +212,7 @@ def test_size_one_builds_todays_layers_without_collectives():
     with torch.device("meta"):
         model = CausalLM(tp_ranks.case_config("llama-gqa"), tp_ranks.MAX_POSITIONS, TorchAttention())
     assert model.tp is SINGLE
-    assert type(model.model.embed_tokens) is torch.nn.Embedding and type(model.lm_head) is Linear
+    assert type(model.model.embed_tokens) is Embedding and type(model.lm_head) is Linear
     layer = model.model.layers[0]
     assert type(layer.self_attn.o_proj) is Linear and type(layer.mlp.down_proj) is Linear
     assert model.local.num_kv_heads == model.shape.num_kv_heads == 2
