@@ -47,6 +47,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _row_independent_interpreter_dot()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _server_logs_in_pytest_temp(tmp_path_factory):
+    """Test servers log under pytest's temp folders, which it prunes, not into /tmp for good."""
+    from e2e import servers
+
+    servers.LOG_ROOT = tmp_path_factory.mktemp("server-logs")
+
+
 @pytest.fixture(scope="session")
 def embedded_source():
     from siesta.model.loader import resolve_model

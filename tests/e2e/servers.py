@@ -27,6 +27,9 @@ STREAM_TIMEOUT_S = 120.0
 # A plain call to a test server: a first completion on a loaded 2-core machine (the suite runs
 # two workers) took over httpx's 5 s default.
 HTTP_TIMEOUT_S = 60.0
+# Where the servers' logs go: set per session to a pytest temp folder (pytest keeps the last few
+# runs' and removes older ones); the system's temp folder when run outside pytest.
+LOG_ROOT: Path | None = None
 LOG_TAIL_CHARS = 4000
 # Small, so the suite stays fast; generous enough for the longest prompt a test sends.
 DEV_MAX_MODEL_LEN = 1024
@@ -69,7 +72,7 @@ def free_port() -> int:
 
 def start_server(*flags: str, env: dict[str, str] | None = None) -> Server:
     port = free_port()
-    log_path = Path(tempfile.mkdtemp(prefix="siesta-e2e-")) / "server.log"
+    log_path = Path(tempfile.mkdtemp(prefix="siesta-e2e-", dir=LOG_ROOT)) / "server.log"
     cmd = [sys.executable, "-m", "siesta.entrypoints.cli", "serve", "--port", str(port), *flags]
     full_env = os.environ | SERVER_ENV | (env or {})
     with open(log_path, "w") as log:

@@ -234,6 +234,7 @@ class Trainer:
         finally:
             s.close(linger=0)
             ctx.term()
+            _unlink_ipc(zmq_handle)
         r = call()
         assert r.status_code == 200, r.text
 
@@ -360,6 +361,12 @@ def _post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
 
 def _ok(response: httpx.Response) -> None:
     assert response.status_code == 200 and response.json().get("success") is True, response.text
+
+
+def _unlink_ipc(endpoint: str) -> None:
+    """zmq leaves a bound ipc:// socket's file behind: remove it, as the binding side owns it."""
+    if endpoint.startswith("ipc://"):
+        Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
 
 
 def _later(fn):
