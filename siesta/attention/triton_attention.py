@@ -209,17 +209,16 @@ class TritonAttention:
         write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, scales)
         if q.stride(-1) != 1:
             q = q.contiguous()
-        if out is None:
-            out = torch.empty_like(q)
-        elif out.shape != q.shape or out.stride(-1) != 1:
+        if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
             raise ValueError("out must have q's shape and a contiguous head_dim")
         if meta.num_reqs == 0 or q.shape[0] == 0:
-            return out
+            return torch.empty_like(q) if out is None else out
         if self.uses_sdpa(q, meta):
             if kv_cache.quantized:  # what decode will read: the chunk as written, dequantized
                 k, v = self._written(k_cache, v_cache, meta.slot_mapping, scales, q.dtype)
-            self.sdpa_prefill(q, k, v, meta, scale, out)
-        elif meta.is_decode_only:
+            return self.sdpa_prefill(q, k, v, meta, scale, out)
+        out = torch.empty_like(q) if out is None else out
+        if meta.is_decode_only:
             self.decode(q, k_cache, v_cache, meta, scale, out, scales=scales)
         else:
             self.mixed(q, k_cache, v_cache, meta, scale, out, scales=scales)
@@ -509,25 +508,31 @@ class TritonAttention:
         v: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        out: torch.Tensor,
-    ) -> None:
-        """Fresh prefills through torch SDPA, one request at a time.
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Fresh prefills through torch SDPA, one request at a time; the result ``[T, heads, D]``.
 
         SDPA's own GQA flag beat expanding K/V to the query heads on the H200 (its flash
         kernel reads each KV head once; expanding costs a copy), see siesta/bench/attention.py.
+        With no ``out`` and one request, SDPA's own output is the result: its kernels lay it
+        out as they were given q, tokens first, so it needs no copy (H100, an 8k prompt: one
+        44 us device copy a layer saved).
         """
         starts = meta.query_start_loc_cpu
+        if out is None and meta.num_reqs == 1:
+            return self._sdpa_one(q, k, v, scale).contiguous()
+        out = torch.empty_like(q) if out is None else out
         for i in range(meta.num_reqs):
             s, e = starts[i], starts[i + 1]
-            o = F.scaled_dot_product_attention(
-                _heads_first(q[s:e]),
-                _heads_first(k[s:e].to(q.dtype)),
-                _heads_first(v[s:e].to(q.dtype)),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[s:e] = o.squeeze(0).transpose(0, 1)
+            out[s:e] = self._sdpa_one(q[s:e], k[s:e], v[s:e], scale)
+        return out
+
+    @staticmethod
+    def _sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """One prompt's causal attention ``[L, heads, D]`` (a view of SDPA's output)."""
+        o = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k.to(q.dtype)), _heads_first(v.to(q.dtype)),
+                                           is_causal=True, scale=scale, enable_gqa=True)  # fmt: skip
+        return o.squeeze(0).transpose(0, 1)
 
 
 class BatchInvariantTritonAttention(TritonAttention):

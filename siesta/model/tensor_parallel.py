@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from siesta.model.layers import Embedding, Linear, linear
 from siesta.model.parallel import TensorParallel

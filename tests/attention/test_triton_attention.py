@@ -366,6 +366,21 @@ def test_sdpa_prefill_path_matches_reference() -> None:
     assert rel_error(out, dense_reference(batch)) < TOLERANCE[torch.float32]
 
 
+def test_one_fresh_prompt_through_sdpa_returns_its_output_uncopied(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The SDPA route (CUDA only) taken here too: one prompt and no ``out`` give SDPA's own
+    # output, laid out tokens first; with ``out`` (a graph's buffer) the same values land in it.
+    batch = make_batch([(0, 40)], group=4, head_dim=64, block_size=16, dtype=torch.float32, seed=6)
+    backend = TritonAttention(sdpa_prefill_min_tokens=1)
+    monkeypatch.setattr(backend, "uses_sdpa", lambda q, meta: True)
+    result = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale)
+    assert result.shape == batch.q.shape and result.is_contiguous()
+    assert result._base is not None  # a view of SDPA's output: no copy into a buffer of ours
+    out = poisoned_like(batch.q)
+    assert backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER, batch.meta, batch.scale, out=out) is out
+    assert torch.equal(result, out)
+    assert rel_error(result, dense_reference(batch)) < TOLERANCE[torch.float32]
+
+
 def test_sdpa_routing_policy() -> None:
     fresh = make_batch([(0, 40), (0, 33)], 2, 64, 16, torch.float32, seed=1)
     chunked = make_batch([(10, 40)], 2, 64, 16, torch.float32, seed=2)
