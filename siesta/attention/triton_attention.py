@@ -515,8 +515,8 @@ class TritonAttention:
         SDPA's own GQA flag beat expanding K/V to the query heads on the H200 (its flash
         kernel reads each KV head once; expanding costs a copy), see siesta/bench/attention.py.
         With no ``out`` and one request, SDPA's own output is the result: its kernels lay it
-        out as they were given q, tokens first, so it needs no copy (H100, an 8k prompt: one
-        44 us device copy a layer saved).
+        out as they were given q, tokens first, so it needs no copy (most likely the one 44 us
+        device-to-device copy a layer in an H100 profile of an 8k prompt; not yet re-profiled).
         """
         starts = meta.query_start_loc_cpu
         if out is None and meta.num_reqs == 1:
