@@ -254,7 +254,8 @@ def test_align_hand_made(ids: torch.Tensor, num_experts: int, block_m: int, plac
 @pytest.mark.parametrize("block_m", [DECODE_TILES.block_m, PREFILL_TILES.block_m, LARGE_PREFILL_TILES.block_m])
 @pytest.mark.parametrize(
     "tokens,top_k,experts,skew",
-    [(1, 2, 8, False), (7, 8, 128, False), (33, 2, 16, False), (300, 8, 128, False), (200, 2, 8, True)],
+    [(1, 2, 8, False), (7, 8, 128, False), (33, 2, 16, False), (300, 8, 128, False), (200, 2, 8, True),
+     (60, 4, 300, False)],  # fmt: skip
 )
 def test_align_random(tokens: int, top_k: int, experts: int, skew: bool, block_m: int, placement: str) -> None:
     """Router-like ids: few pairs over many experts (idle ones, single pairs), many over few
@@ -265,7 +266,7 @@ def test_align_random(tokens: int, top_k: int, experts: int, skew: bool, block_m
     _check_alignment(align(ids, experts, block_m), ids, experts, block_m)
 
 
-@pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 128), (16, 8, 128), (300, 8, 128), (200, 2, 8)])
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 128), (16, 8, 128), (300, 8, 128), (200, 2, 8), (60, 4, 300)])
 def test_both_placements_give_the_same_alignment(tokens: int, top_k: int, experts: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The one-hot count and the stable sort put every pair in the same row: an expert's pairs in
