@@ -176,12 +176,14 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
         dest = (ends - padded - 1)[flat] + running.gather(1, flat[:, None])[:, 0]
         sources = torch.arange(n, dtype=torch.int32, device=dev)
     else:
-        counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-        padded = (counts + block_m - 1) // block_m * block_m
-        ends = padded.cumsum(0)
         order = torch.argsort(_narrow_keys(flat, num_experts), stable=True)
         experts_sorted = flat[order]
-        first = counts.cumsum(0) - counts  # each expert's first index among the sorted pairs
+        # Each expert's first index among the sorted pairs, and its count: read off the sorted ids
+        # (a scatter_add of n ones into E counters contends on their atomics).
+        first = torch.searchsorted(experts_sorted, torch.arange(num_experts + 1, device=dev))
+        counts = first.diff()
+        padded = (counts + block_m - 1) // block_m * block_m
+        ends = padded.cumsum(0)
         rank = torch.arange(n, device=dev) - first[experts_sorted]
         dest = (ends - padded)[experts_sorted] + rank
         sources = order.to(torch.int32)
