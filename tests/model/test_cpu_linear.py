@@ -93,7 +93,10 @@ def test_model_linears_go_through_the_cpu_paths(monkeypatch: pytest.MonkeyPatch,
 
     onednn = library("onednn") == "onednn"
 
-    layer = Linear(32, 40, bias=True)
+    layer = Linear(32, 40, bias=True)  # siesta's layers are not initialised: every weight is loaded
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=torch.Generator().manual_seed(3)))
+        layer.bias.copy_(torch.randn(layer.bias.shape, generator=torch.Generator().manual_seed(4)))
     calls: list[int] = []
     kernel = cpu_linear.linear
     monkeypatch.setattr(cpu_linear, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or kernel(x, w, b))
