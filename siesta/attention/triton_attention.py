@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from siesta import host_ints
+from siesta import host_ints, pdl
 from siesta.attention import triton_kernels as kernels
 from siesta.attention import triton_tiles as tiling
 from siesta.attention.base import AttentionMetadata, KVCache
@@ -92,6 +92,7 @@ def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Ten
         BLOCK_S=_merge_width(num_splits),
         BLOCK_D=shapes.block_d,
         PER_TOKEN=per_token,
+        **pdl.launch(out.device),
     )
 
 
@@ -497,6 +498,7 @@ class TritonAttention:
             KV_FP8=is_quantized(k_cache.dtype),
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
+            **pdl.launch(q.device),
         )
         if write_partials:
             _merge_splits(part_out, part_lse, out, meta, shapes, splits, per_token=False)

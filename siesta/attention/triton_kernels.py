@@ -20,6 +20,8 @@ lower, inside its noise (H100 run 56b,
 import triton
 import triton.language as tl
 
+from siesta import pdl
+
 
 @triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_Q: tl.constexpr):
@@ -524,7 +526,9 @@ def decode_split_kernel(
     WRITE_PARTIALS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl.wait_then_release(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -581,6 +585,7 @@ def reduce_splits_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PER_TOKEN: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Merge split partials through their log-sum-exp into ``out``.
 
@@ -590,6 +595,7 @@ def reduce_splits_kernel(
     whose partial rows the prefill split kernel never writes; so the two paths may run
     in either order without clobbering each other.
     """
+    pdl.wait_then_release(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     if PER_TOKEN:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from siesta import host_ints
+from siesta import host_ints, pdl
 from siesta.attention.kv_quant import FP8_GRIDS, is_quantized
 
 # One warp per 256 elements: 32 threads x 8 half-precision elements, one 16-byte
@@ -93,7 +93,9 @@ def _write_kv_kernel(
     MANTISSA_BITS: tl.constexpr,
     MIN_EXPONENT: tl.constexpr,
     MAX_VALUE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.wait_then_release(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # Negative slots mark padding rows (e.g. CUDA-graph buckets): nothing to store.
@@ -175,4 +177,5 @@ def write_kv_triton(
         MIN_EXPONENT=grid.min_exponent,
         MAX_VALUE=grid.max_value,
         num_warps=num_warps,
+        **pdl.launch(k_cache.device),
     )

@@ -42,6 +42,9 @@ from siesta.bench.steps import (
 BF16_PEAK_FLOPS = 989e12
 # The prefill_tiles part's prompts: seeds past the shipped run's (40 to 44).
 PREFILL_TILES_SEED = 100
+# The PDL A/B alternates its arms this many times (off, on, off, on): the machine's drift shows.
+PDL_AB_ROUNDS = 2
+PDL_AB_MAX_BATCH = 64
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 
 
@@ -148,6 +151,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.moe_prefill_tiles:
         tiles = functools.partial(_prefill_tiles, llm, args.moe_prefill_tokens, args.moe_prefill_tiles, out["prefill"])
         run_part(out, "moe", "prefill_tiles", tiles)
+    if "pdl" in args.moe_parts:
+        batches = [b for b in args.decode_batches if b <= PDL_AB_MAX_BATCH]  # where launches weigh
+        run_part(out, "moe", "pdl", functools.partial(pdl_ab, llm, batches, args.decode_context, args.decode_steps))
     del llm
     release_memory()
     for name, step in (("sorted_small_batches", lambda: _sorted_small_batches(args, base, out["decode"])),
@@ -157,6 +163,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        ("resume", lambda: _resume(args)), ("weight_transfer", lambda: _push(args))):  # fmt: skip
         if name in args.moe_parts:
             run_part(out, "moe", name, step)
+    return out
+
+
+def pdl_ab(llm, batches: list[int], context: int, steps: int, rounds: int = PDL_AB_ROUNDS) -> dict[str, Any]:
+    """Decode with programmatic dependent launch off and on (``siesta/pdl.py``), alternated on
+    one engine whose decode graphs are recaptured at each switch: per batch, each arm's best step
+    and off / on. The engine's own setting is restored after."""
+    from siesta import pdl
+
+    runner = llm.engine.runner
+    steps_ms: dict[str, dict[str, list[float]]] = {}
+    try:
+        for _ in range(rounds):
+            for arm in ("off", "on"):
+                pdl.set_enabled(arm == "on")
+                runner.recapture_graphs(decode_only=True)
+                res = decode(llm, batches, context, steps)
+                for b in batches:
+                    if "step_ms" in res[f"batch{b}"]:
+                        steps_ms.setdefault(f"batch{b}", {}).setdefault(arm, []).append(res[f"batch{b}"]["step_ms"])
+    finally:
+        pdl.set_enabled(llm.config.programmatic_dependent_launch)
+        runner.recapture_graphs(decode_only=True)
+    out: dict[str, Any] = {"supported": pdl.supported(runner.device), "rounds": rounds}
+    for key, arms in steps_ms.items():
+        best = {arm: min(ms) for arm, ms in arms.items()}
+        out[key] = {"step_ms": arms, "best_off_ms": best["off"], "best_on_ms": best["on"],
+                    "off_over_on": best["off"] / best["on"]}  # fmt: skip
     return out
 
 
@@ -263,6 +297,10 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
         if key.startswith("batch") and "pair_kernels_speedup" in cell:
             rows.append([f"MoE decode {key}: pair kernels / sorted", cell["pair_kernels_speedup"],
                          f"sorted {cell['tok_s']:,.0f} tok/s"])  # fmt: skip
+    for key, cell in (res.get("pdl") or {}).items():
+        if key.startswith("batch"):
+            rows.append([f"MoE decode {key}: step without PDL / with", cell["off_over_on"],
+                         f"best of {len(cell['step_ms']['on'])}: {cell['best_off_ms']:.2f} / {cell['best_on_ms']:.2f} ms"])  # fmt: skip
     kernels = res.get("kernels_batch1") or {}
     if "launches" in kernels:
         rows.append(["MoE decode batch1 kernel launches a step", kernels["launches"],

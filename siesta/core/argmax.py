@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from siesta import pdl
+
 CHUNK = 4096  # elements per first-pass program: 32 programs for a 128k vocabulary
 MAX_CHUNKS = 64  # the second pass reads one row's partials in a single tile
 NUM_WARPS = 4
@@ -31,7 +33,10 @@ def _first_max(values, indices, FAR: tl.constexpr):
 
 
 @triton.jit
-def _chunk_max_kernel(logits_ptr, part_val_ptr, part_idx_ptr, vocab, stride_row, num_chunks, CHUNK: tl.constexpr):
+def _chunk_max_kernel(
+    logits_ptr, part_val_ptr, part_idx_ptr, vocab, stride_row, num_chunks, CHUNK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl.wait_then_release(USE_PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -43,7 +48,10 @@ def _chunk_max_kernel(logits_ptr, part_val_ptr, part_idx_ptr, vocab, stride_row,
 
 
 @triton.jit
-def _pick_chunk_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_chunks, vocab, BLOCK: tl.constexpr):
+def _pick_chunk_kernel(
+    part_val_ptr, part_idx_ptr, out_ptr, num_chunks, vocab, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl.wait_then_release(USE_PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < num_chunks
@@ -70,7 +78,10 @@ def argmax_rows(logits: torch.Tensor, use_kernels: bool | None = None) -> torch.
     part_idx = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     _chunk_max_kernel[(rows, num_chunks)](
-        logits, part_val, part_idx, vocab, logits.stride(0), num_chunks, CHUNK=CHUNK, num_warps=NUM_WARPS
+        logits, part_val, part_idx, vocab, logits.stride(0), num_chunks, CHUNK=CHUNK, num_warps=NUM_WARPS,
+        **pdl.launch(logits.device),
     )
-    _pick_chunk_kernel[(rows,)](part_val, part_idx, out, num_chunks, vocab, BLOCK=MAX_CHUNKS, num_warps=1)
+    _pick_chunk_kernel[(rows,)](
+        part_val, part_idx, out, num_chunks, vocab, BLOCK=MAX_CHUNKS, num_warps=1, **pdl.launch(logits.device)
+    )
     return out

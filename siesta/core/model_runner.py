@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from siesta import cpu_threads
+from siesta import cpu_threads, pdl
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.kv_quant import KVScales, is_quantized, resolve_kv_dtype
 from siesta.attention.select import get_attention_backend
@@ -177,6 +177,7 @@ class ModelRunner:
             logger.info("CPU threads: %d", threads)
         if config.deterministic:
             batch_invariant.enable()  # before the first matmul: cuBLAS reads its workspace setting once
+        pdl.set_enabled(config.programmatic_dependent_launch)  # before the graphs capture the launches
         self.backend = get_attention_backend(config.attention_backend, self.device, config.deterministic,
                                              kv_quantized=is_quantized(self.kv_dtype))  # fmt: skip
         if self.device.type == "cuda":
@@ -561,11 +562,12 @@ class ModelRunner:
             if graphs is not None:
                 graphs.invalidate()
 
-    def recapture_graphs(self) -> None:
-        """Capture now (at start and on wake-up) rather than in the first steps after it."""
+    def recapture_graphs(self, decode_only: bool = False) -> None:
+        """Capture now (at start and on wake-up) rather than in the first steps after it; only the
+        decode graphs where ``decode_only`` (a bench that switched how kernels launch)."""
         # Global capture mode: no thread may pin host memory meanwhile (another engine's backup).
         with CAPTURE_LOCK:
-            for graphs in (self.graphs, self.piecewise, self.mixed_graphs):
+            for graphs in (self.graphs,) if decode_only else (self.graphs, self.piecewise, self.mixed_graphs):
                 if graphs is not None:
                     graphs.capture()
 

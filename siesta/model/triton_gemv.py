@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from siesta import pdl
 from siesta.model.linear_operands import check_linear_operands
 
 # Most rows of x the kernel takes: beyond this a tiled GEMM (cuBLAS) reuses each
@@ -128,12 +129,14 @@ def _gemv_kernel(
     SPLIT_K: tl.constexpr,
     TENSOR_CORES: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (n, s) computes ``out[s, :, n*BLOCK_N:(n+1)*BLOCK_N]`` over K slice s.
 
     With SPLIT_K == 1 ``out`` is y itself (bias added, x's dtype); otherwise an fp32
     ``[SPLIT_K, M, N]`` buffer of partial sums for ``_split_k_reduce_kernel``.
     """
+    pdl.wait_then_release(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -194,8 +197,10 @@ def _split_k_reduce_kernel(
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """``y = sum_s partial[s] (+ bias)``, summed in split order so results are reproducible."""
+    pdl.wait_then_release(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -253,6 +258,7 @@ def gemv(
         NUM_STAGES=config.num_stages,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl.launch(x.device),
     )
     if config.split_k > 1:
         _split_k_reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
@@ -265,5 +271,6 @@ def gemv(
             HAS_BIAS=bias is not None,
             BLOCK=REDUCE_BLOCK,
             num_warps=REDUCE_NUM_WARPS,
+            **pdl.launch(x.device),
         )
     return out

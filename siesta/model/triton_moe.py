@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from siesta import pdl
 from siesta.model import batch_invariant, grouped_mm_moe
 from siesta.model.moe import sum_over_k
 from siesta.model.triton_matmul import persistent_programs
@@ -293,14 +294,14 @@ def _fused_moe_pairs(
         x, gate_up, flat_ids, act, hidden, inter,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=k, BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, EVEN_K=hidden % PAIR_BLOCK_K == 0,
-        NUM_STAGES=PAIR_NUM_STAGES, num_warps=PAIR_NUM_WARPS,
+        NUM_STAGES=PAIR_NUM_STAGES, num_warps=PAIR_NUM_WARPS, **pdl.launch(x.device),
     )  # fmt: skip
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     _down_sum_kernel[(t, triton.cdiv(hidden, PAIR_BLOCK_N))](
         act, down, flat_ids, flat_weights, out, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         TOP_K=k, BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, EVEN_K=inter % PAIR_BLOCK_K == 0,
-        NUM_STAGES=DOWN_SUM_NUM_STAGES, num_warps=PAIR_NUM_WARPS,
+        NUM_STAGES=DOWN_SUM_NUM_STAGES, num_warps=PAIR_NUM_WARPS, **pdl.launch(x.device),
     )  # fmt: skip
     return out
 
@@ -311,8 +312,10 @@ def _gate_up_pair_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (pair, n): ``silu(gate_e x_t) * up_e x_t`` for BLOCK_N features of pair ``pair``."""
+    pdl.wait_then_release(USE_PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -354,6 +357,7 @@ def _down_sum_kernel(
     stride_am, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (token, n): ``sum_k weight_k * down_{e_k} act_k`` for BLOCK_N outputs of ``token``.
 
@@ -361,6 +365,7 @@ def _down_sum_kernel(
     Each pair's output is rounded to the output dtype before it is added, and the k of them are
     summed in k order in fp32, rounded once: what the pair outputs stored and then summed
     (``moe.sum_over_k``) give, without the buffer and the sum's launch."""
+    pdl.wait_then_release(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

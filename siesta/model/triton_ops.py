@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from siesta import pdl
 from siesta.attention.triton_kv_write import row_num_warps
 from siesta.model import batch_invariant
 
@@ -83,8 +84,10 @@ def _rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     MEAN_BY_DIVISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program normalises one token: ``NUM_HEADS`` rows of ``DIM`` (1 for hidden states)."""
+    pdl.wait_then_release(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -179,6 +182,7 @@ def _rms_norm(
         MEAN_BY_DIVISION=x.device.type == "cpu" or batch_invariant.enabled(),
         num_warps=row_num_warps(block_h * block_d),
         enable_fp_fusion=False,
+        **pdl.launch(x.device),
     )
     return out, summed
 
@@ -217,8 +221,10 @@ def _silu_and_mul_kernel(
     INTER: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (row, b) computes columns ``[b * BLOCK, (b + 1) * BLOCK)`` of one row."""
+    pdl.wait_then_release(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -263,6 +269,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         num_warps=row_num_warps(block),
         enable_fp_fusion=False,
         **options,
+        **pdl.launch(gate_up.device),
     )
     return out
 
@@ -352,8 +359,10 @@ def _rope_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program rotates every q and k head of one token."""
+    pdl.wait_then_release(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos_lo, cos_hi, sin_lo, sin_hi = _rope_table(
         positions_ptr, cos_ptr, sin_ptr, token, stride_cos, stride_sin, q_ptr.dtype.element_ty, HALF, BLOCK_HALF
@@ -442,6 +451,7 @@ def apply_rope(
         BLOCK_HALF=block_half,
         num_warps=row_num_warps(2 * block_hq * block_half),
         enable_fp_fusion=False,
+        **pdl.launch(q.device),
     )
     return q_out, k_out
 
@@ -519,8 +529,10 @@ def _qk_norm_rope_kernel(
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     MEAN_BY_DIVISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program norms and rotates every q and k head of one token."""
+    pdl.wait_then_release(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos_lo, cos_hi, sin_lo, sin_hi = _rope_table(
         positions_ptr, cos_ptr, sin_ptr, token, stride_cos, stride_sin, q_ptr.dtype.element_ty, HALF, BLOCK_HALF
@@ -566,6 +578,6 @@ def qk_norm_rope(
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=head_dim // 2, BLOCK_HQ=block_hq,
         BLOCK_HK=triton.next_power_of_2(num_k_heads), BLOCK_HALF=block_half,
         MEAN_BY_DIVISION=q.device.type == "cpu" or batch_invariant.enabled(),
-        num_warps=row_num_warps(2 * block_hq * block_half), enable_fp_fusion=False,
+        num_warps=row_num_warps(2 * block_hq * block_half), enable_fp_fusion=False, **pdl.launch(q.device),
     )  # fmt: skip
     return q_out, k_out

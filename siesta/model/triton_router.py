@@ -25,13 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
+from siesta import pdl
+
 
 @triton.jit
 def _route_kernel(
     logits_ptr, weights_ptr, ids_ptr, E, stride_l,
     TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program t: token t's k (weight, expert) pairs, the largest weight first."""
+    pdl.wait_then_release(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
@@ -73,6 +77,6 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype)
         _route_kernel[(tokens,)](
             logits, weights, ids, experts, logits.stride(0),
             TOP_K=top_k, BLOCK_E=triton.next_power_of_2(experts), BLOCK_K=triton.next_power_of_2(top_k),
-            NORMALIZE=normalize,
+            NORMALIZE=normalize, **pdl.launch(logits.device),
         )  # fmt: skip
     return weights, ids

@@ -9,7 +9,9 @@ from dataclasses import asdict
 
 import pytest
 
+from siesta import pdl
 from siesta.bench import gpu
+from siesta.bench import moe as moe_bench
 from siesta.bench.moe import expected_experts_touched
 from siesta.bench.moe_tiles import tile_label
 from siesta.model import triton_moe
@@ -25,7 +27,7 @@ def test_experts_touched_is_the_uniform_expectation() -> None:
 def test_the_section_runs_on_the_tiny_moe() -> None:
     args = gpu.build_parser().parse_args([])
     small = {"moe_model": "random:tiny-qwen3-moe", "moe_check_shape": "tiny-qwen3-moe", "moe_check_layers": 2,
-             "moe_check_tokens": 160, "moe_prefill_tokens": 128, "moe_parts": ["sorted_small_batches", "library_prefill", "fidelity"],
+             "moe_check_tokens": 160, "moe_prefill_tokens": 128, "moe_parts": ["sorted_small_batches", "library_prefill", "fidelity", "pdl"],
              "decode_batches": [1, 4], "moe_prefill_tiles": "128x128x64w8s4d",
              "decode_context": 32, "decode_steps": 2, "max_model_len": 512, "device": "cpu"}  # fmt: skip
     shipped = triton_moe.LARGE_PREFILL_TILES
@@ -51,8 +53,16 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     # an H100 the A/B's first prompt did, and its 16-token step was all it timed).
     assert out["prefill"]["prefix_cache_hit_tokens"] == 0
     assert tiles["128x128x64w8s4d"]["prefix_cache_hit_tokens"] == 0
+    # Decode with PDL off and on, alternated on the same engine (the CPU has no PDL: only that the
+    # A/B runs both arms each round and leaves the engine's setting, off, in force).
+    ab = out["pdl"]
+    assert ab["supported"] is False and not pdl.enabled()
+    for key in ("batch1", "batch4"):
+        assert [len(ab[key]["step_ms"][arm]) for arm in ("off", "on")] == [moe_bench.PDL_AB_ROUNDS] * 2
+        assert ab[key]["off_over_on"] > 0
     rows = [r[0] for r in gpu.summary({"moe": out})]
     assert "MoE prefill, tiles 128x128x64w8s4d / shipped" in rows
+    assert "MoE decode batch1: step without PDL / with" in rows
     assert "MoE prefill 128: grouped_mm / fused" in rows
     assert "MoE decode batch1 tok/s" in rows and "MoE logprobs / trainer's bf16 floor" in rows
     assert "MoE decode batch1: pair kernels / sorted" in rows
