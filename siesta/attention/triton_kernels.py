@@ -528,7 +528,7 @@ def decode_split_kernel(
     KV_FP8: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -595,7 +595,7 @@ def reduce_splits_kernel(
     whose partial rows the prefill split kernel never writes; so the two paths may run
     in either order without clobbering each other.
     """
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     if PER_TOKEN:

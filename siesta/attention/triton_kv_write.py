@@ -95,7 +95,7 @@ def _write_kv_kernel(
     MAX_VALUE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # Negative slots mark padding rows (e.g. CUDA-graph buckets): nothing to store.

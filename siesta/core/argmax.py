@@ -36,7 +36,7 @@ def _first_max(values, indices, FAR: tl.constexpr):
 def _chunk_max_kernel(
     logits_ptr, part_val_ptr, part_idx_ptr, vocab, stride_row, num_chunks, CHUNK: tl.constexpr, USE_PDL: tl.constexpr
 ):
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -51,7 +51,7 @@ def _chunk_max_kernel(
 def _pick_chunk_kernel(
     part_val_ptr, part_idx_ptr, out_ptr, num_chunks, vocab, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < num_chunks

@@ -565,6 +565,10 @@ class ModelRunner:
     def recapture_graphs(self, decode_only: bool = False) -> None:
         """Capture now (at start and on wake-up) rather than in the first steps after it; only the
         decode graphs where ``decode_only`` (a bench that switched how kernels launch)."""
+        if decode_only and self.graphs is not None:
+            # Captured again over live graphs: a fresh pool (reusing the old one's id once its
+            # graphs are gone trips the caching allocator's assert, H100 run 58a).
+            self.graphs.invalidate()
         # Global capture mode: no thread may pin host memory meanwhile (another engine's backup).
         with CAPTURE_LOCK:
             for graphs in (self.graphs,) if decode_only else (self.graphs, self.piecewise, self.mixed_graphs):

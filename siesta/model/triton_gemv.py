@@ -136,7 +136,7 @@ def _gemv_kernel(
     With SPLIT_K == 1 ``out`` is y itself (bias added, x's dtype); otherwise an fp32
     ``[SPLIT_K, M, N]`` buffer of partial sums for ``_split_k_reduce_kernel``.
     """
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,7 +200,7 @@ def _split_k_reduce_kernel(
     USE_PDL: tl.constexpr,
 ):
     """``y = sum_s partial[s] (+ bias)``, summed in split order so results are reproducible."""
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     total = tl.zeros((BLOCK,), dtype=tl.float32)

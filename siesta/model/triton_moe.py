@@ -315,7 +315,7 @@ def _gate_up_pair_kernel(
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (pair, n): ``silu(gate_e x_t) * up_e x_t`` for BLOCK_N features of pair ``pair``."""
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -365,7 +365,7 @@ def _down_sum_kernel(
     Each pair's output is rounded to the output dtype before it is added, and the k of them are
     summed in k order in fp32, rounded once: what the pair outputs stored and then summed
     (``moe.sum_over_k``) give, without the buffer and the sum's launch."""
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -87,7 +87,7 @@ def _rms_norm_kernel(
     USE_PDL: tl.constexpr,
 ):
     """One program normalises one token: ``NUM_HEADS`` rows of ``DIM`` (1 for hidden states)."""
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -224,7 +224,7 @@ def _silu_and_mul_kernel(
     USE_PDL: tl.constexpr,
 ):
     """Program (row, b) computes columns ``[b * BLOCK, (b + 1) * BLOCK)`` of one row."""
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -362,7 +362,7 @@ def _rope_kernel(
     USE_PDL: tl.constexpr,
 ):
     """One program rotates every q and k head of one token."""
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos_lo, cos_hi, sin_lo, sin_hi = _rope_table(
         positions_ptr, cos_ptr, sin_ptr, token, stride_cos, stride_sin, q_ptr.dtype.element_ty, HALF, BLOCK_HALF
@@ -532,7 +532,7 @@ def _qk_norm_rope_kernel(
     USE_PDL: tl.constexpr,
 ):
     """One program norms and rotates every q and k head of one token."""
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos_lo, cos_hi, sin_lo, sin_hi = _rope_table(
         positions_ptr, cos_ptr, sin_ptr, token, stride_cos, stride_sin, q_ptr.dtype.element_ty, HALF, BLOCK_HALF

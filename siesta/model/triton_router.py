@@ -35,7 +35,7 @@ def _route_kernel(
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """Program t: token t's k (weight, expert) pairs, the largest weight first."""
-    pdl.wait_then_release(USE_PDL)
+    pdl.wait_for_previous_grid(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + t * stride_l + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
