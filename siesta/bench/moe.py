@@ -137,11 +137,27 @@ def fidelity(shape_name: str, layers: int, long_len: int, device: str) -> dict[s
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The section: ``args`` are the GPU bench's (``--moe-model`` and ``--moe-*`` flags)."""
-    from siesta import LLM
-
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out: dict[str, Any] = {"model": args.moe_model}
     base = {"dtype": "bfloat16", "max_model_len": args.max_model_len, "device": args.device, "max_num_seqs": 256}
+    _engine_parts(args, base, out)
+    release_memory()  # the engine is gone with the call's frame: the parts below need its memory
+    for name, step in (("sorted_small_batches", lambda: _sorted_small_batches(args, base, out["decode"])),
+                       ("fidelity", lambda: fidelity(args.moe_check_shape, args.moe_check_layers,
+                                                      args.moe_check_tokens, device)),
+                       ("library_prefill", lambda: _library_prefill(args, base, out["prefill"])),
+                       ("resume", lambda: _resume(args)), ("weight_transfer", lambda: _push(args))):  # fmt: skip
+        if name in args.moe_parts:
+            run_part(out, "moe", name, step)
+    return out
+
+
+def _engine_parts(args: argparse.Namespace, base: dict[str, Any], out: dict[str, Any]) -> None:
+    """The parts that share one engine. In a frame of their own, so that no partial or local outlives
+    the engine: a ``del llm`` beside a live partial left 66 GiB held, and the parts after ran out of
+    memory on an H100."""
+    from siesta import LLM
+
     llm = LLM(args.moe_model, **base, gpu_memory_utilization=0.85, max_num_batched_tokens=args.moe_prefill_tokens)
     out["decode"] = decode(llm, args.decode_batches, args.decode_context, args.decode_steps)
     log_part("moe", "decode", out["decode"])
@@ -154,16 +170,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "pdl" in args.moe_parts:
         batches = [b for b in args.decode_batches if b <= PDL_AB_MAX_BATCH]  # where launches weigh
         run_part(out, "moe", "pdl", functools.partial(pdl_ab, llm, batches, args.decode_context, args.decode_steps))
-    del llm
-    release_memory()
-    for name, step in (("sorted_small_batches", lambda: _sorted_small_batches(args, base, out["decode"])),
-                       ("fidelity", lambda: fidelity(args.moe_check_shape, args.moe_check_layers,
-                                                      args.moe_check_tokens, device)),
-                       ("library_prefill", lambda: _library_prefill(args, base, out["prefill"])),
-                       ("resume", lambda: _resume(args)), ("weight_transfer", lambda: _push(args))):  # fmt: skip
-        if name in args.moe_parts:
-            run_part(out, "moe", name, step)
-    return out
 
 
 def pdl_ab(llm, batches: list[int], context: int, steps: int, rounds: int = PDL_AB_ROUNDS) -> dict[str, Any]:

@@ -4,11 +4,14 @@ against a count by hand, and the section end to end (decode, prefill, the fideli
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import weakref
 from dataclasses import asdict
 
 import pytest
 
+import siesta
 from siesta import pdl
 from siesta.bench import gpu
 from siesta.bench import moe as moe_bench
@@ -25,7 +28,24 @@ def test_experts_touched_is_the_uniform_expectation() -> None:
     assert expected_experts_touched(10_000, 128, 8) == pytest.approx(128.0)
 
 
-def test_the_section_runs_on_the_tiny_moe() -> None:
+def test_the_section_runs_on_the_tiny_moe(monkeypatch: pytest.MonkeyPatch) -> None:
+    engines: list[weakref.ref] = []
+
+    class Recorded(siesta.LLM):
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            engines.append(weakref.ref(self))
+
+    monkeypatch.setattr(siesta, "LLM", Recorded)
+    alive_at_fidelity: list[int] = []
+
+    def fidelity(*a, **kw):
+        gc.collect()
+        alive_at_fidelity.append(sum(ref() is not None for ref in engines))
+        return oracle(*a, **kw)
+
+    oracle = moe_bench.fidelity
+    monkeypatch.setattr(moe_bench, "fidelity", fidelity)
     args = gpu.build_parser().parse_args([])
     small = {"moe_model": "random:tiny-qwen3-moe", "moe_check_shape": "tiny-qwen3-moe", "moe_check_layers": 2,
              "moe_check_tokens": 160, "moe_prefill_tokens": 128, "moe_parts": ["sorted_small_batches", "library_prefill", "fidelity", "pdl"],
@@ -34,6 +54,9 @@ def test_the_section_runs_on_the_tiny_moe() -> None:
     shipped = triton_moe.LARGE_PREFILL_TILES
     out = gpu.SECTIONS["moe"](argparse.Namespace(**(vars(args) | small)))
     json.dumps(out)
+    # The shared engine is gone before the parts that make their own: on an H100 a partial that
+    # outlived ``del llm`` kept its 66 GiB, and the parts after it ran out of memory.
+    assert alive_at_fidelity == [0]
     assert out["decode"]["batch1"]["experts_touched_per_layer"] == pytest.approx(2.0)
     assert 0 < out["decode"]["batch4"]["of_roofline"] and out["prefill"]["tok_s"] > 0
     # bf16 on the CPU against transformers fp32, in units of transformers' own bf16 floor.
