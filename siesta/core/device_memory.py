@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from siesta.attention.base import KVCache
-from siesta.core.host_backup import HostBackup, cuda_pinner
+from siesta.core.host_backup import HostBackup
 from siesta.core.vmm import VirtualArena
+from siesta.pinned import cuda_pinner
 
 
 @dataclass

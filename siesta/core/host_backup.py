@@ -37,11 +37,11 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
 
 import torch
 
 from siesta.device_activity import DEVICE_WORK, ActivityClock
+from siesta.pinned import Pinner, Unpinner
 
 logger = logging.getLogger(__name__)
 
@@ -50,35 +50,13 @@ logger = logging.getLogger(__name__)
 PIN_CHUNK_BYTES = 64 << 20
 # Seconds without a step launched (or a weight written) before background pinning goes on.
 QUIET_S = 0.5
-_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every context, as cudaHostAlloc's memory is
-_CUDA_SUCCESS = 0
-
 CAPTURE_LOCK = threading.Lock()
-
-Pinner = Callable[[int, int], None]  # (address, bytes): pin that range, or raise
-Unpinner = Callable[[int], None]
 
 _PINNING: weakref.WeakSet[HostBackup] = weakref.WeakSet()  # those whose thread may still run
 
 
 class _Stopped(Exception):
     """The backup was stopped before all of it was made."""
-
-
-def cuda_pinner(device: torch.device) -> tuple[Pinner, Unpinner]:
-    """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's own runtime bindings."""
-    cudart = torch.cuda.cudart()
-
-    def pin(address: int, nbytes: int) -> None:
-        torch.cuda.set_device(device)  # the thread's current device: the runtime's context
-        err = cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
-        if int(err) != _CUDA_SUCCESS:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
-
-    def unpin(address: int) -> None:
-        cudart.cudaHostUnregister(address)
-
-    return pin, unpin
 
 
 class HostBackup:

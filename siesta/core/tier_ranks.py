@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from siesta.attention.base import KVCache
-from siesta.core.host_backup import cuda_pinner
 from siesta.distributed.processes import RankFailed, RankProcesses
+from siesta.pinned import cuda_pinner
 
 SHM_DIR = "/dev/shm"
 NOTE = "landed"  # the kind of note a rank sends when tier copies landed

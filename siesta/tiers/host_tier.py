@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from siesta.kv.hashing import BlockHash
+from siesta.pinned import pinned_host_empty
 from siesta.tiers.base import TierRanks
 from siesta.tiers.chains import ChainIndex
 
@@ -34,7 +35,7 @@ class HostTier:
     """``entry_shape`` is one rank's part; with ``ranks`` an entry holds every rank's part side by
     side (``[ranks, *entry_shape]``), in memory the ranks share, and the capacity is their total."""
 
-    def __init__(self, capacity_bytes: int, entry_shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool,
+    def __init__(self, capacity_bytes: int, entry_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                  ranks: TierRanks | None = None) -> None:  # fmt: skip
         if ranks is not None:
             entry_shape = (ranks.size, *entry_shape)
@@ -45,7 +46,8 @@ class HostTier:
         self.entry_bytes = entry_bytes
         self.sharded = ranks is not None
         if ranks is None:
-            self.buffer = torch.empty((self.capacity, *entry_shape), dtype=dtype, pin_memory=pin_memory)
+            # Locked for ``device``'s copy engines, at exactly its size (``siesta.pinned``).
+            self.buffer = pinned_host_empty((self.capacity, *entry_shape), dtype, device)
         else:
             self.buffer = ranks.host_buffer((self.capacity, *entry_shape), dtype)
         self._index: ChainIndex[HostEntry] = ChainIndex()

@@ -133,8 +133,7 @@ class OffloadingConnector(KVConnector):
         self.cfg = OffloadConfig.parse(extra_config, ctx.block_size, role)
         self.blocks_per_entry = self.cfg.block_size // ctx.block_size
         entry_shape = (self.blocks_per_entry, *ctx.block_shape)
-        pin = ctx.device.type == "cuda"
-        self.host = HostTier(self.cfg.cpu_bytes_to_use, entry_shape, ctx.dtype, pin_memory=pin, ranks=ctx.ranks)
+        self.host = HostTier(self.cfg.cpu_bytes_to_use, entry_shape, ctx.dtype, ctx.device, ranks=ctx.ranks)
         self.disk: DiskTier | None = None
         if self.cfg.disk_path is not None:
             # An entry's bytes are every rank's shards: a tier written at another tensor-parallel

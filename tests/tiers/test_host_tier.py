@@ -8,7 +8,7 @@ SHAPE = (2, 3)  # an entry of 6 fp32 values: 24 bytes
 
 
 def tier(entries: int) -> HostTier:
-    return HostTier(entries * 24, SHAPE, torch.float32, pin_memory=False)
+    return HostTier(entries * 24, SHAPE, torch.float32, torch.device("cpu"))
 
 
 def test_capacity_from_bytes_and_refusal():
@@ -16,7 +16,7 @@ def test_capacity_from_bytes_and_refusal():
     import pytest
 
     with pytest.raises(ValueError, match="holds no entry"):
-        HostTier(10, SHAPE, torch.float32, pin_memory=False)
+        HostTier(10, SHAPE, torch.float32, torch.device("cpu"))
 
 
 def test_lru_eviction_skips_pinned_and_unready():
