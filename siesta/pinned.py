@@ -22,11 +22,13 @@ _CUDA_SUCCESS = 0
 
 
 def cuda_pinner(device: torch.device) -> tuple[Pinner, Unpinner]:
-    """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's own runtime bindings."""
+    """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's own runtime bindings.
+    ``device`` without an index is the current device, read here, not in the pinning thread."""
     cudart = torch.cuda.cudart()
+    index = torch.cuda.current_device() if device.index is None else device.index
 
     def pin(address: int, nbytes: int) -> None:
-        torch.cuda.set_device(device)  # the thread's current device: the runtime's context
+        torch.cuda.set_device(index)  # the thread's current device: the runtime's context
         err = cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
         if int(err) != _CUDA_SUCCESS:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(err)}")
