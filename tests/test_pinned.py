@@ -71,13 +71,15 @@ def _resident_kib() -> int:
 def test_on_a_card_the_lock_is_the_size_asked_and_copies_run_from_it() -> None:
     device = torch.device("cuda")
     nbytes = 3 << 30  # torch's pinned allocator would lock 4 GiB for this
+    torch.empty(1, device=device)  # the context's own memory (~100 MB resident) before counting
+    cuda_pinner(device)
     before = _resident_kib()
     t = pinned_empty((nbytes // 2,), torch.bfloat16, cuda_pinner(device))
     grown = (_resident_kib() - before) << 10
     assert t.is_pinned()
     # Resident now (the lock faults every page in), and no more than asked plus slack for the
-    # runtime's own bookkeeping.
-    assert nbytes * 0.98 <= grown <= nbytes + (64 << 20)
+    # runtime's bookkeeping: far under the 4 GiB a power-of-two rounding would lock.
+    assert nbytes * 0.98 <= grown <= nbytes + (128 << 20)
     src = torch.arange(1 << 20, device=device, dtype=torch.bfloat16)
     t[: 1 << 20].copy_(src, non_blocking=True)
     torch.cuda.synchronize()
