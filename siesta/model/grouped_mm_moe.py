@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from siesta.model.moe import sum_over_k
+from siesta.model.moe import sort_by_expert, sum_over_k
 
 
 def available() -> bool:
@@ -31,9 +31,8 @@ def grouped_mm_moe(
     t, k = ids.shape
     num_experts, two_i, _ = gate_up.shape
     flat = ids.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    offs = counts.cumsum(0).to(torch.int32)
+    order, _, first = sort_by_expert(flat, num_experts)
+    offs = first[1:].to(torch.int32)  # each expert's run's end
     rows = x.index_select(0, order // k)
     h = F.grouped_mm(rows, gate_up.transpose(1, 2), offs=offs)
     gate, up = h.split(two_i // 2, dim=-1)

@@ -105,6 +105,31 @@ def experts_reference(
     return weighted_sum(pair_out, weights)
 
 
+def sort_by_expert(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pairs of ``flat`` (one expert id a pair) in expert order, on the device with no host
+    read: the stable order, the ids in it, and each expert's first index among them
+    (``num_experts + 1`` entries; an expert's count is their difference). The fused kernels and
+    the library's grouped GEMM sort alike, so their A/B times the GEMMs, not two sorts.
+
+    The counts are read off the sorted ids: a scatter_add of n ones into E counters contends on
+    their atomics (1.27 ms of an 8k prefill on an H100 against 0.25, run 58a)."""
+    order = torch.argsort(narrow_keys(flat, num_experts), stable=True)
+    experts_sorted = flat[order]
+    first = torch.searchsorted(experts_sorted, torch.arange(num_experts + 1, device=flat.device))
+    return order, experts_sorted, first
+
+
+def narrow_keys(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Expert ids in the narrowest integer type that holds them: a radix sort passes over every
+    byte of its keys (cub, under torch's sort on CUDA), so int64 ids took eight passes where one
+    byte (up to 256 experts) takes one (2.4 ms of an 8k prefill against 0.37, run 58a). The
+    order is the same: the values are."""
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        if num_experts - 1 <= torch.iinfo(dtype).max:
+            return ids.to(dtype)
+    return ids
+
+
 def weighted_sum(pair_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``[T * k, H]`` expert outputs -> ``[T, H]``, each token's k outputs weighted and summed
     (``sum_over_k``)."""

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from siesta import pdl
 from siesta.model import batch_invariant, grouped_mm_moe
-from siesta.model.moe import sum_over_k
+from siesta.model.moe import sort_by_expert, sum_over_k
 from siesta.model.triton_matmul import persistent_programs
 
 
@@ -177,11 +177,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
         dest = (ends - padded - 1)[flat] + running.gather(1, flat[:, None])[:, 0]
         sources = torch.arange(n, dtype=torch.int32, device=dev)
     else:
-        order = torch.argsort(_narrow_keys(flat, num_experts), stable=True)
-        experts_sorted = flat[order]
-        # Each expert's first index among the sorted pairs, and its count: read off the sorted ids
-        # (a scatter_add of n ones into E counters contends on their atomics).
-        first = torch.searchsorted(experts_sorted, torch.arange(num_experts + 1, device=dev))
+        order, experts_sorted, first = sort_by_expert(flat, num_experts)
         counts = first.diff()
         padded = (counts + block_m - 1) // block_m * block_m
         ends = padded.cumsum(0)
@@ -196,16 +192,6 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     tile_starts = torch.arange(0, max_tiles * block_m, block_m, device=dev)
     tile_expert = torch.searchsorted(ends, tile_starts, right=True, out_int32=True)
     return Alignment(sorted_pairs, tile_expert, ends[-1:].to(torch.int32))
-
-
-def _narrow_keys(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Expert ids in the narrowest integer type that holds them: a radix sort passes over every
-    byte of its keys (cub, under torch's sort on CUDA), so int64 ids took eight passes where one
-    byte (up to 256 experts) takes one. The order is the same: the values are."""
-    for dtype in (torch.uint8, torch.int16, torch.int32):
-        if num_experts - 1 <= torch.iinfo(dtype).max:
-            return ids.to(dtype)
-    return ids
 
 
 def fused_moe(
