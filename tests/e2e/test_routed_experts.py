@@ -114,15 +114,22 @@ def test_a_start_past_the_prompt_is_refused_naming_the_field(moe_server):
     assert "routed_experts" in response.text
 
 
-def test_engines_that_cannot_route_refuse_by_name():
-    for flags, needle in (((MODEL, *COMMON), "--enable-return-routed-experts"),
-                          (("random:tiny-llama", *COMMON), "dense")):  # fmt: skip
-        server = start_server(*flags)
-        try:
-            body = {"input_ids": PROMPT, "return_routed_experts": True}
-            response = httpx.post(f"{server.url}/generate", json=body, timeout=HTTP_TIMEOUT_S)
-            assert response.status_code == 400 and needle in response.text, response.text
-            plain = httpx.post(f"{server.url}/inference/v1/generate", json={"token_ids": PROMPT}, timeout=HTTP_TIMEOUT_S)
-            assert plain.status_code == 200 and "routed_experts" not in plain.json()["choices"][0]
-        finally:
-            stop_server(server)
+def _refuses_routing_by_name(url: str, needle: str) -> None:
+    body = {"input_ids": PROMPT, "return_routed_experts": True}
+    response = httpx.post(f"{url}/generate", json=body, timeout=HTTP_TIMEOUT_S)
+    assert response.status_code == 400 and needle in response.text, response.text
+    plain = httpx.post(f"{url}/inference/v1/generate", json={"token_ids": PROMPT}, timeout=HTTP_TIMEOUT_S)
+    assert plain.status_code == 200 and "routed_experts" not in plain.json()["choices"][0]
+
+
+def test_an_moe_engine_without_the_flag_refuses_by_name():
+    server = start_server(MODEL, *COMMON)
+    try:
+        _refuses_routing_by_name(server.url, "--enable-return-routed-experts")
+    finally:
+        stop_server(server)
+
+
+def test_a_dense_engine_refuses_by_name(dev_server):
+    # The session's server of the embedded (dense) model: no server of its own to start.
+    _refuses_routing_by_name(dev_server.url, "dense")
