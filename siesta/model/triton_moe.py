@@ -99,7 +99,9 @@ class MoeTiles:
 # The down GEMM on a 128 x 256 feature tile (3 stages; ``MoeTiles.down_block_n`` says why): in
 # the sweep 0.966x the 128-wide tile's time for both GEMMs at 8k tokens, even at 2k (H100 run
 # 57a); in the 8k prefill of one eager engine, alternating tiles on fresh prompts, 159.6-162.0 ms
-# against 163.5-166.9 (run 57b, ~2 % of the step).
+# against 163.5-166.9 (run 57b, ~2 % of the step). Not better (run 59i, both GEMMs at 8k tokens):
+# a 128-wide K chunk (2 stages; 3 need 288 KiB of shared memory) 1.32x the shipped time, the down
+# GEMM on 4 stages 1.32x, a 256-wide gate/up tile (2 stages) 5.0x.
 DECODE_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 PREFILL_TILES = MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 LARGE_PREFILL_TILES = MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, persistent_down=True,
