@@ -4,7 +4,8 @@ torch's pinned allocator (``torch.empty(..., pin_memory=True)``) rounds every bl
 up to a power of two, so that freed blocks are reused: a 48 GiB host tier locked 64 GiB. On a
 125 GiB host that, beside the MoE shape's 61 GB sleep backup, got the process killed (H100
 run 59b). ``pinned_empty`` maps exactly the bytes asked for and locks them with one
-``cudaHostRegister``; the lock goes when the last tensor over the memory is gone.
+``cudaHostRegister``; the lock goes when the last tensor over the memory is gone. The
+tensor-parallel ranks' shared tier (``map_shared_file``) is locked and unlocked the same way.
 """
 
 from __future__ import annotations
@@ -57,12 +58,26 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pinner: tuple[Pinne
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)  # nothing to lock
-    mapping = _LockedMapping(-1, nbytes)  # pages come on first touch, or with the lock
+    # Anonymous: pages come on first touch, or with the lock.
+    return _locked(_LockedMapping(-1, nbytes), pinner).view(dtype).view(shape)
+
+
+def map_shared_file(path: str, nbytes: int, pinner: tuple[Pinner, Unpinner] | None) -> torch.Tensor:
+    """The first ``nbytes`` of ``path`` as flat uint8, shared with every process that maps it
+    (the tensor-parallel ranks' tier), locked by ``pinner`` unless it is None. As with
+    ``pinned_empty``, the lock goes before the mapping does: an unmapped range left registered
+    keeps its pages locked until the process ends."""
+    with open(path, "r+b") as f:
+        mapping = _LockedMapping(f.fileno(), nbytes)  # MAP_SHARED; the mapping outlives the fd
+    return _locked(mapping, pinner) if pinner is not None else torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def _locked(mapping: _LockedMapping, pinner: tuple[Pinner, Unpinner]) -> torch.Tensor:
     flat = torch.frombuffer(mapping, dtype=torch.uint8)
     pin, unpin = pinner
-    pin(flat.data_ptr(), nbytes)
+    pin(flat.data_ptr(), flat.numel())
     mapping.address, mapping.unpin = flat.data_ptr(), unpin
-    return flat.view(dtype).view(shape)
+    return flat
 
 
 def pinned_host_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

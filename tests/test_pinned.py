@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from siesta.pinned import cuda_pinner, pinned_empty, pinned_host_empty
+from siesta.pinned import cuda_pinner, map_shared_file, pinned_empty, pinned_host_empty
 
 
 class Recorder:
@@ -53,6 +53,26 @@ def test_a_pinner_that_fails_leaves_nothing_locked() -> None:
         pinned_empty((4, 4), torch.float32, (refuse, rec.unpin))
     gc.collect()
     assert rec.unpinned == []
+
+
+def test_a_shared_file_is_one_memory_for_every_mapping_and_unlocks_with_its_last_view(tmp_path) -> None:
+    path = tmp_path / "tier"
+    path.write_bytes(bytes(3 * 4096 + 100))  # not a page multiple: the mapping takes it as it is
+    nbytes = path.stat().st_size
+    rec = Recorder()
+    locked = map_shared_file(str(path), nbytes, (rec.pin, rec.unpin))
+    plain = map_shared_file(str(path), nbytes, None)  # another rank's view, unlocked
+    assert locked.shape == plain.shape == (nbytes,) and rec.pinned == {locked.data_ptr(): nbytes}
+    locked[nbytes - 1] = 7
+    assert plain[nbytes - 1].item() == 7 and path.read_bytes()[-1] == 7
+    address = locked.data_ptr()
+    tail = locked[4096:]
+    del locked
+    gc.collect()
+    assert rec.unpinned == []
+    del tail
+    gc.collect()
+    assert rec.unpinned == [address]
 
 
 def test_empty_shapes_and_the_cpu_take_plain_memory() -> None:

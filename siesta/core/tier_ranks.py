@@ -26,7 +26,7 @@ import torch
 
 from siesta.attention.base import KVCache
 from siesta.distributed.processes import RankFailed, RankProcesses
-from siesta.pinned import cuda_pinner
+from siesta.pinned import cuda_pinner, map_shared_file
 
 SHM_DIR = "/dev/shm"
 NOTE = "landed"  # the kind of note a rank sends when tier copies landed
@@ -50,10 +50,7 @@ class SharedBuffer:
 
     def map(self, device: torch.device) -> torch.Tensor:
         """The buffer in this process (pinned on CUDA: the copy engines reach it directly)."""
-        flat = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
-        if device.type == "cuda":
-            pin, _ = cuda_pinner(device)
-            pin(flat.data_ptr(), self.nbytes)
+        flat = map_shared_file(self.path, self.nbytes, cuda_pinner(device) if device.type == "cuda" else None)
         return flat.view(self.dtype).view(self.shape)
 
 
