@@ -41,7 +41,8 @@ def cuda_pinner(device: torch.device) -> tuple[Pinner, Unpinner]:
 
 
 class _LockedMapping(mmap.mmap):
-    """An anonymous mapping that unlocks itself before it is unmapped. The tensors over it hold
+    """A mapping (MAP_SHARED, Python's default: a forked child shares locked pages rather than
+    copying them on a write) that unlocks itself before it is unmapped. The tensors over it hold
     it (``torch.frombuffer`` keeps the buffer's owner), so that is when the last of them dies."""
 
     unpin: Unpinner | None = None
