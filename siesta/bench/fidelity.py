@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
@@ -91,25 +92,95 @@ class Scored:
     generated: list[int]
     prompt_lp: list[float]  # position i scores prompt[i + 1]
     decode_lp: list[float]  # position n - 1 + j scores generated[j]
+    # A mixture-of-experts engine's routing, where asked: [positions, layers, k] (dense layers -1).
+    routing: np.ndarray | None = None
 
     @property
     def ids(self) -> list[int]:
         return self.prompt + self.generated
 
 
-def engine_scores(llm, prompts: list[list[int]], decode_tokens: int = DECODE_TOKENS) -> list[Scored]:
-    """The engine's prompt logprobs and greedy decode logprobs for ``prompts``, all in one batch."""
+def engine_scores(llm, prompts: list[list[int]], decode_tokens: int = DECODE_TOKENS,
+                  routing: bool = False) -> list[Scored]:  # fmt: skip
+    """The engine's prompt logprobs and greedy decode logprobs for ``prompts``, all in one batch;
+    with ``routing``, each request's routed experts too."""
     from siesta import SamplingParams
 
-    params = SamplingParams(max_tokens=decode_tokens, temperature=0, logprobs=0, prompt_logprobs=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_tokens, temperature=0, logprobs=0, prompt_logprobs=0, ignore_eos=True,
+                            return_routed_experts=routing)  # fmt: skip
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     scored = []
     for p, out in zip(prompts, outs, strict=True):
         gen = out.outputs[0]
         prompt_lp = [out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))]
         decode_lp = [gen.logprobs[j][t].logprob for j, t in enumerate(gen.token_ids)]
-        scored.append(Scored(p, list(gen.token_ids), prompt_lp, decode_lp))
+        routed = gen.routed_experts.array() if routing else None
+        scored.append(Scored(p, list(gen.token_ids), prompt_lp, decode_lp, routed))
     return scored
+
+
+@torch.inference_mode()
+def router_choices(model: torch.nn.Module, ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each sparse layer's router at every position of ``ids``, as transformers computes it: its
+    probabilities (fp32 softmax of the logits, ``[positions, experts]``) and the top-k it picked
+    (``[positions, k]``, on the model's own ties), on the CPU."""
+    from transformers import DynamicCache
+
+    captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def keep(layer: int):
+        def hook(_module, _args, out) -> None:
+            logits, _, picked = out
+            captured.setdefault(layer, []).append((torch.softmax(logits.float(), -1).cpu(), picked.cpu()))
+
+        return hook
+
+    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    handles = [model.model.layers[i].mlp.gate.register_forward_hook(keep(i)) for i in sparse]
+    try:
+        device = next(model.parameters()).device
+        tokens = torch.tensor([ids], device=device)
+        cache = DynamicCache(config=model.config)
+        for i in range(0, len(ids), REF_FORWARD_ROWS):
+            model.model(tokens[:, i : i + REF_FORWARD_ROWS], past_key_values=cache, use_cache=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {layer: (torch.cat([p for p, _ in parts]), torch.cat([k for _, k in parts])) for layer, parts in captured.items()}  # fmt: skip
+
+
+def _deficits(picked: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Per position, how far below the fp32 router's k-th probability the lowest of ``picked``
+    (``[positions, k]``) lies: 0 where every pick is in the fp32 top k, else the margin the pick
+    crossed. A swap inside the top k changes nothing an expert layer sums."""
+    k = picked.shape[1]
+    kth = probs.topk(k, -1).values[:, -1]
+    return (kth - probs.gather(1, picked.long()).min(-1).values).clamp(min=0)
+
+
+def routing_report(scored: list[Scored], fp32: dict[tuple, dict], bf16: dict[tuple, dict]) -> dict[str, Any]:
+    """The engine's top-k sets against transformers fp32's, per (position, sparse layer): how many
+    differ, and how many of those crossed a wider fp32 margin than transformers bf16 itself
+    crossed on the same tokens (its widest: the floor). Those beyond the floor are the engine's."""
+    decisions = engine_differs = twin_differs = 0
+    engine_gaps: list[torch.Tensor] = []
+    floor = 0.0
+    for s in scored:
+        key = tuple(s.ids)
+        rows = s.routing.shape[0]
+        for layer, (probs, _) in fp32[key].items():
+            p = probs[:rows]
+            engine = _deficits(torch.from_numpy(s.routing[:, layer].astype("int64")), p)
+            twin = _deficits(bf16[key][layer][1][:rows], p)
+            decisions += rows
+            engine_differs += int((engine > 0).sum())
+            twin_differs += int((twin > 0).sum())
+            engine_gaps.append(engine[engine > 0])
+            floor = max(floor, float(twin.max()))
+    gaps = torch.cat(engine_gaps) if engine_gaps else torch.zeros(0)
+    return {"decisions": decisions, "engine_differs": engine_differs, "trainer_bf16_differs": twin_differs,
+            "floor_margin": floor, "engine_beyond_floor": int((gaps > floor).sum()),
+            "engine_widest_margin": float(gaps.max()) if gaps.numel() else 0.0}  # fmt: skip
 
 
 def bucket_of(position: int) -> str:
@@ -169,13 +240,15 @@ def config_folder(config: PretrainedConfig, into: Path) -> str:
 def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int, batch: int, engine_dtype: str,
               kv_cache_bytes: int, checkpoint: bool = False, head_fp32: bool = False,
               served: PretrainedConfig | None = None, engine_kw: dict[str, Any] | None = None,
-              probe=None, decode_tokens: int = DECODE_TOKENS) -> dict[str, Any]:  # fmt: skip
+              probe=None, decode_tokens: int = DECODE_TOKENS, routing: bool = False) -> dict[str, Any]:  # fmt: skip
     """One architecture: the trainer's weights pushed into a fresh engine (and, with ``checkpoint``,
     loaded from a saved checkpoint), scored at batch 1 and at ``batch`` against the trainer.
     ``served``: the config the engine serves, when it is not the trainer's (to show a mismatch).
     ``probe(llm)``: more measurements of the pushed engine (a dict), after its scores.
     ``decode_tokens``: each request's greedy tokens; the long prompt's bucket holds that many
-    decoded positions, so its maximum (the engine's and the floor's) is over that many samples."""
+    decoded positions, so its maximum (the engine's and the floor's) is over that many samples.
+    ``routing`` (a mixture-of-experts model): the engine's routed experts against the trainer's
+    router in fp32, with the trainer's bf16 twin as the floor (``routing_report``)."""
     from siesta import LLM
 
     t0 = time.perf_counter()
@@ -185,14 +258,16 @@ def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int
           "max_model_len": long_len + 2 * decode_tokens} | (engine_kw or {})  # fmt: skip
     if head_fp32:
         kw["head_dtype"] = "float32"
+    if routing:
+        kw["enable_return_routed_experts"] = True
     runs: dict[str, list[Scored]] = {}
     with tempfile.TemporaryDirectory(prefix="siesta-fidelity-") as tmp:
         llm = LLM(config_folder(served or config, Path(tmp) / "config"), **kw)
         numerics_key = llm.engine.numerics_key  # where /metrics finds this report (siesta.fidelity_report)
         llm.update_weights(trainer.state_dict())  # the trainer's push: its tensors, its names
-        runs["push_batch1"] = engine_scores(llm, prompts[:1], decode_tokens)
+        runs["push_batch1"] = engine_scores(llm, prompts[:1], decode_tokens, routing)
         if batch > 1:
-            runs[f"push_batch{batch}"] = engine_scores(llm, prompts, decode_tokens)
+            runs[f"push_batch{batch}"] = engine_scores(llm, prompts, decode_tokens, routing)
         probed = probe(llm) if probe is not None else None
         del llm
         release_memory()
@@ -201,17 +276,19 @@ def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int
             # The trainer's weights as it would save them, the trainer itself left in fp32.
             trainer.save_pretrained(Path(tmp) / "ckpt", state_dict={k: v.to(saved) for k, v in trainer.state_dict().items()})
             llm = LLM(str(Path(tmp) / "ckpt"), **kw)
-            runs["checkpoint_batch1"] = engine_scores(llm, prompts[:1], decode_tokens)
+            runs["checkpoint_batch1"] = engine_scores(llm, prompts[:1], decode_tokens, routing)
             del llm
             release_memory()
     engine_s = time.perf_counter() - t0
     # References on each run's own tokens (the decoded ones may differ between runs).
     seqs = {tuple(s.ids) for scored in runs.values() for s in scored}
     ref = {ids: token_logprobs(trainer, list(ids)) for ids in seqs}
+    routers = {ids: router_choices(trainer, list(ids)) for ids in seqs} if routing else {}
     twin = bf16_twin(trainer, config)
     del trainer
     release_memory()
     floor = {ids: token_logprobs(twin, list(ids)) for ids in seqs}
+    twin_routers = {ids: router_choices(twin, list(ids)) for ids in seqs} if routing else {}
     del twin
     release_memory()
     out: dict[str, Any] = {"shape": name, "long_prompt": long_len, "engine_dtype": engine_dtype, "head_fp32": head_fp32,
@@ -222,6 +299,8 @@ def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int
     for run, scored in runs.items():
         report = errors_by_bucket(scored, [ref[tuple(s.ids)] for s in scored], [floor[tuple(s.ids)] for s in scored])
         out[run] = {"buckets": report, "worst_ratio": worst_ratio(report), "max_error": max_error(report)}
+        if routing:
+            out[run]["routing"] = routing_report(scored, routers, twin_routers)
     if "checkpoint_batch1" in runs:  # the push and the checkpoint put the same weights in place
         out["push_equals_checkpoint"] = [s.prompt_lp for s in runs["push_batch1"]] == [
             s.prompt_lp for s in runs["checkpoint_batch1"]]  # fmt: skip

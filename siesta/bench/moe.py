@@ -132,7 +132,7 @@ def fidelity(shape_name: str, layers: int, long_len: int, device: str) -> dict[s
     config = RANDOM_SHAPES[shape_name].config()
     config.num_hidden_layers = layers
     return oracle.run_shape(f"{shape_name}[{layers} layers]", config, device=device, long_len=long_len, batch=1,
-                            engine_dtype="bfloat16", kv_cache_bytes=8 << 30)  # fmt: skip
+                            engine_dtype="bfloat16", kv_cache_bytes=8 << 30, routing=True)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -338,6 +338,12 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
     fid = res.get("fidelity") or {}
     if "push_batch1" in fid:
         rows.append(["MoE logprobs / trainer's bf16 floor", fid["push_batch1"]["worst_ratio"], "goal <= 1.5"])
+        route = fid["push_batch1"].get("routing")
+        if route:
+            rows.append(["MoE routing decisions beyond the floor", route["engine_beyond_floor"],
+                         f"of {route['decisions']:,}: top-k sets unlike fp32's {route['engine_differs']} "
+                         f"(transformers bf16 {route['trainer_bf16_differs']}); widest margin crossed "
+                         f"{route['engine_widest_margin']:.1e} against bf16's {route['floor_margin']:.1e}"])  # fmt: skip
     if isinstance(res.get("resume"), dict) and "speedup_p50" in res["resume"]:
         rows.append(["MoE resume kept vs cleared (p50)", res["resume"]["speedup_p50"], ""])
     return rows

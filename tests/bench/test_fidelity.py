@@ -5,7 +5,9 @@ fp32 up to 8k positions. In fp32 the engine is held to 1e-4 (the bf16 floor is ~
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 from transformers import AutoConfig
 
 from siesta.bench import fidelity
@@ -61,6 +63,23 @@ def test_buckets_report_the_worst_error_and_its_ratio_to_the_floor():
     report = fidelity.errors_by_bucket([s], [ref], [floor])
     assert report["prompt"] == {"1-64": {"siesta": 0.5, "floor": 0.5, "ratio": 1.0, "positions": 2}}
     assert report["decode"]["1-64"] == {"siesta": 0.25, "floor": 0.25, "ratio": 1.0, "positions": 2}
+
+
+def test_routing_counts_sets_unlike_fp32s_and_those_past_the_bf16_floor():
+    """Two positions, one sparse layer (1), top 2 of 4 experts. fp32's probabilities rank experts
+    0 > 1 > 2 > 3 at both. Position 0: the engine swaps the order within the top 2 (no difference),
+    bf16 transformers takes expert 2 (0.05 below the 2nd): the floor. Position 1: the engine takes
+    expert 3, 0.2 below the 2nd: beyond the floor; bf16 agrees."""
+    probs = torch.tensor([[0.5, 0.25, 0.2, 0.05], [0.4, 0.3, 0.2, 0.1]])
+    s = fidelity.Scored(prompt=[1, 2, 3], generated=[], prompt_lp=[], decode_lp=[],
+                        routing=np.array([[[-1, -1], [1, 0]], [[-1, -1], [0, 3]]]))  # layer 0 dense  # fmt: skip
+    key = tuple(s.ids)
+    fp32 = {key: {1: (probs, torch.tensor([[0, 1], [0, 1]]))}}
+    bf16 = {key: {1: (probs, torch.tensor([[0, 2], [0, 1]]))}}
+    report = fidelity.routing_report([s], fp32, bf16)
+    assert report["decisions"] == 2 and report["engine_differs"] == 1 and report["trainer_bf16_differs"] == 1
+    assert report["floor_margin"] == pytest.approx(0.05) and report["engine_widest_margin"] == pytest.approx(0.2)
+    assert report["engine_beyond_floor"] == 1
 
 
 def test_the_gpu_section_runs_on_the_cpu_in_small(tmp_path, monkeypatch):

@@ -61,6 +61,10 @@ def test_the_section_runs_on_the_tiny_moe(monkeypatch: pytest.MonkeyPatch) -> No
     assert 0 < out["decode"]["batch4"]["of_roofline"] and out["prefill"]["tok_s"] > 0
     # bf16 on the CPU against transformers fp32, in units of transformers' own bf16 floor.
     assert out["fidelity"]["push_batch1"]["worst_ratio"] is not None
+    # Its routing against transformers' router: every (position, sparse layer) counted once.
+    route = out["fidelity"]["push_batch1"]["routing"]
+    assert route["decisions"] == (160 + 16 - 1) * 2  # the check's prompt and decoded tokens, 2 sparse layers
+    assert 0 <= route["engine_beyond_floor"] <= route["engine_differs"] <= route["decisions"]
     assert out["kernels_batch1"]["launches"] > 0 and out["kernels_batch1"]["top_kernels_ms_per_step"]
     # The A/B engine (experts always sorted) ran batch 1 only: the batches the pair kernels serve.
     assert {k for k in out["sorted_small_batches"] if k.startswith("batch")} == {"batch1"}
@@ -89,6 +93,7 @@ def test_the_section_runs_on_the_tiny_moe(monkeypatch: pytest.MonkeyPatch) -> No
     assert "MoE decode batch1: step without PDL / with" in rows
     assert "MoE prefill 128: grouped_mm / fused" in rows
     assert "MoE decode batch1 tok/s" in rows and "MoE logprobs / trainer's bf16 floor" in rows
+    assert "MoE routing decisions beyond the floor" in rows
     assert "MoE decode batch1: pair kernels / sorted" in rows
     assert "MoE decode batch1 kernel launches a step" in rows
     # The prefill profiled once more: where its time goes.
