@@ -40,6 +40,7 @@ from siesta.bench.steps import (
 )
 
 BF16_PEAK_FLOPS = 989e12
+PUSH_COPIES = 2  # the IPC push holds the trainer's weights and the engine's on one card
 # The prefill_tiles part's prompts: seeds past the shipped run's (40 to 44).
 PREFILL_TILES_SEED = 100
 # The PDL A/B alternates its arms this many times (off, on, off, on): the machine's drift shows.
@@ -146,7 +147,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        ("fidelity", lambda: fidelity(args.moe_check_shape, args.moe_check_layers,
                                                       args.moe_check_tokens, device)),
                        ("library_prefill", lambda: _library_prefill(args, base, out["prefill"])),
-                       ("resume", lambda: _resume(args)), ("weight_transfer", lambda: _push(args))):  # fmt: skip
+                       ("resume", lambda: _resume(args)),
+                       ("weight_transfer", lambda: _push(args, sum(out.get("decode", {}).get("bytes", {}).values())))):  # fmt: skip
         if name in args.moe_parts:
             run_part(out, "moe", name, step)
     return out
@@ -285,9 +287,17 @@ def _resume(args: argparse.Namespace) -> dict[str, Any]:
     return resume(argparse.Namespace(**(vars(args) | {"model": args.moe_model, "resume_variants": False})))
 
 
-def _push(args: argparse.Namespace) -> dict[str, Any]:
+def _push(args: argparse.Namespace, weight_bytes: int | None = None) -> dict[str, Any]:
+    """The IPC push, where the card holds the trainer's weights and the engine's at once
+    (``weight_bytes``: the engine's, from the decode part; 122 GB for the 30B shape, past an
+    H100's 80): elsewhere skipped and said, before the trainer spends a minute making its copy."""
     from siesta.bench.weight_transfer import weight_transfer
 
+    if weight_bytes and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        if PUSH_COPIES * weight_bytes > total:
+            return {"skipped": f"the trainer's and the engine's weights ({PUSH_COPIES} x {weight_bytes / 1e9:.0f} GB) "
+                               f"do not fit this card's {total / 1e9:.0f} GB"}  # fmt: skip
     return weight_transfer(argparse.Namespace(**(vars(args) | {"model": args.moe_model, "wt_skip_nccl": True})))
 
 
@@ -346,4 +356,19 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
                          f"{route['engine_widest_margin']:.1e} against bf16's {route['floor_margin']:.1e}"])  # fmt: skip
     if isinstance(res.get("resume"), dict) and "speedup_p50" in res["resume"]:
         rows.append(["MoE resume kept vs cleared (p50)", res["resume"]["speedup_p50"], ""])
+    rows += _push_rows(res.get("weight_transfer"))
     return rows
+
+
+def _push_rows(push: dict[str, Any] | None) -> list[list[Any]]:
+    """The IPC push's rate against a device copy of the same tensors (goal 30 %), or why not."""
+    if not push:
+        return []
+    if "skipped" in push or "error" in push:
+        return [["MoE IPC push / device copy", "-", str(push.get("skipped") or push.get("error"))[:100]]]
+    ipc, copy = push.get("ipc") or {}, push.get("plain_copy") or {}
+    if "of_plain_copy" not in ipc:
+        why = ipc.get("error") or ipc.get("skipped") or push.get("ipc_error") or "not measured"
+        return [["MoE IPC push / device copy", "-", str(why)[:100]]]
+    return [["MoE IPC push / device copy", ipc["of_plain_copy"],
+             f"goal >= 0.3; {ipc['GB_s']:.0f} against {copy['GB_s']:.0f} GB/s, {push['bytes'] / 1e9:.0f} GB"]]  # fmt: skip

@@ -107,3 +107,25 @@ def test_the_section_runs_on_the_tiny_moe(monkeypatch: pytest.MonkeyPatch) -> No
 def test_a_skipped_batch_reads_as_skipped_in_the_table() -> None:
     res = {"decode": {"batch256": {"skipped": "the KV cache holds 100 tokens; ..."}}}
     assert gpu.summary({"moe": res}) == [["MoE decode batch256 tok/s", "-", "skipped: the KV cache holds 100 tokens; ..."]]
+
+
+def test_a_push_that_cannot_fit_beside_the_engine_is_skipped_before_the_trainer_is_made(monkeypatch):
+    """The 30B shape's push holds its 61 GB twice: on an 80 GB card it is said, not attempted."""
+    import types
+
+    import torch
+
+    from siesta.bench import weight_transfer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: types.SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(weight_transfer, "weight_transfer", lambda _: pytest.fail("the trainer was made"))
+    out = moe_bench._push(gpu.build_parser().parse_args([]), weight_bytes=int(61e9))
+    assert out == {"skipped": "the trainer's and the engine's weights (2 x 61 GB) do not fit this card's 80 GB"}
+    assert moe_bench.summary_rows({"weight_transfer": out})[-1][1:] == ["-", out["skipped"]]
+
+
+def test_the_push_row_reads_the_ipc_rate_against_a_device_copy():
+    push = {"bytes": 61e9, "ipc": {"GB_s": 900.0, "of_plain_copy": 0.45}, "plain_copy": {"GB_s": 2000.0}}
+    assert moe_bench.summary_rows({"weight_transfer": push}) == [
+        ["MoE IPC push / device copy", 0.45, "goal >= 0.3; 900 against 2000 GB/s, 61 GB"]]  # fmt: skip
