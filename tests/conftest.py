@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -48,11 +49,27 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _server_logs_in_pytest_temp(tmp_path_factory):
-    """Test servers log under pytest's temp folders, which it prunes, not into /tmp for good."""
+def _temp_files_in_pytest_temp(tmp_path_factory):
+    """Test servers' logs, and every folder the code under test makes with ``tempfile`` (the
+    fleet's and the benches' logs, IPC sockets, the ranks' folders; in this process and in the
+    processes it starts), go under pytest's temp folders, which it prunes: not into /tmp for
+    good, where a killed process leaves its folder. Ray keeps its own (its socket paths must stay
+    under 108 characters)."""
     from e2e import servers
 
     servers.LOG_ROOT = tmp_path_factory.mktemp("server-logs")
+    temp = str(tmp_path_factory.mktemp("tmp"))
+    before = tempfile.tempdir, os.environ.get("TMPDIR"), os.environ.get("RAY_TMPDIR")
+    os.environ.setdefault("RAY_TMPDIR", tempfile.gettempdir())
+    tempfile.tempdir = temp
+    os.environ["TMPDIR"] = temp
+    yield
+    tempfile.tempdir = before[0]
+    for name, value in (("TMPDIR", before[1]), ("RAY_TMPDIR", before[2])):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")
