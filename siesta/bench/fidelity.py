@@ -15,10 +15,12 @@ small models in fp32 (``tests/bench/test_fidelity.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,34 +121,33 @@ def engine_scores(llm, prompts: list[list[int]], decode_tokens: int = DECODE_TOK
     return scored
 
 
-@torch.inference_mode()
-def router_choices(model: torch.nn.Module, ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Each sparse layer's router at every position of ``ids``, as transformers computes it: its
+@contextlib.contextmanager
+def captured_routers(model: torch.nn.Module, on: bool = True) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Each sparse layer's router over the forwards run inside, as transformers computes it: its
     probabilities (fp32 softmax of the logits, ``[positions, experts]``) and the top-k it picked
-    (``[positions, k]``, on the model's own ties), on the CPU."""
-    from transformers import DynamicCache
-
-    captured: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    (``[positions, k]``, on the model's own ties), on the CPU; filled in when the block ends.
+    Read off ``token_logprobs``' own forward, so routing costs no second pass."""
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    if not on:
+        yield captured
+        return
+    parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def keep(layer: int):
         def hook(_module, _args, out) -> None:
             logits, _, picked = out
-            captured.setdefault(layer, []).append((torch.softmax(logits.float(), -1).cpu(), picked.cpu()))
+            parts.setdefault(layer, []).append((torch.softmax(logits.float(), -1).cpu(), picked.cpu()))
 
         return hook
 
-    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
-    handles = [model.model.layers[i].mlp.gate.register_forward_hook(keep(i)) for i in sparse]
+    gates = {i: layer.mlp.gate for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
+    handles = [gate.register_forward_hook(keep(i)) for i, gate in gates.items()]
     try:
-        device = next(model.parameters()).device
-        tokens = torch.tensor([ids], device=device)
-        cache = DynamicCache(config=model.config)
-        for i in range(0, len(ids), REF_FORWARD_ROWS):
-            model.model(tokens[:, i : i + REF_FORWARD_ROWS], past_key_values=cache, use_cache=True)
+        yield captured
     finally:
         for handle in handles:
             handle.remove()
-    return {layer: (torch.cat([p for p, _ in parts]), torch.cat([k for _, k in parts])) for layer, parts in captured.items()}  # fmt: skip
+    captured.update({i: (torch.cat([p for p, _ in got]), torch.cat([k for _, k in got])) for i, got in parts.items()})
 
 
 def _deficits(picked: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -181,6 +182,15 @@ def routing_report(scored: list[Scored], fp32: dict[tuple, dict], bf16: dict[tup
     return {"decisions": decisions, "engine_differs": engine_differs, "trainer_bf16_differs": twin_differs,
             "floor_margin": floor, "engine_beyond_floor": int((gaps > floor).sum()),
             "engine_widest_margin": float(gaps.max()) if gaps.numel() else 0.0}  # fmt: skip
+
+
+def _reference(model: torch.nn.Module, seqs: set[tuple[int, ...]], routing: bool) -> tuple[dict, dict]:
+    """``model``'s logprobs of each sequence and, with ``routing``, its routers' choices on it."""
+    logprobs, routers = {}, {}
+    for ids in seqs:
+        with captured_routers(model, routing) as routers[ids]:
+            logprobs[ids] = token_logprobs(model, list(ids))
+    return logprobs, routers
 
 
 def bucket_of(position: int) -> str:
@@ -282,13 +292,11 @@ def run_shape(name: str, config: PretrainedConfig, *, device: str, long_len: int
     engine_s = time.perf_counter() - t0
     # References on each run's own tokens (the decoded ones may differ between runs).
     seqs = {tuple(s.ids) for scored in runs.values() for s in scored}
-    ref = {ids: token_logprobs(trainer, list(ids)) for ids in seqs}
-    routers = {ids: router_choices(trainer, list(ids)) for ids in seqs} if routing else {}
+    ref, routers = _reference(trainer, seqs, routing)
     twin = bf16_twin(trainer, config)
     del trainer
     release_memory()
-    floor = {ids: token_logprobs(twin, list(ids)) for ids in seqs}
-    twin_routers = {ids: router_choices(twin, list(ids)) for ids in seqs} if routing else {}
+    floor, twin_routers = _reference(twin, seqs, routing)
     del twin
     release_memory()
     out: dict[str, Any] = {"shape": name, "long_prompt": long_len, "engine_dtype": engine_dtype, "head_fp32": head_fp32,
