@@ -118,3 +118,19 @@ def test_with_every_end_pinned_an_inner_entry_still_makes_room():
     _chain(t, [b"x1", b"x2"])
     t.pin(b"x2")
     assert t.reserve(b"y", "0") is not None and not t.contains(b"x1")  # no store dropped for a chain's sake
+
+
+def test_the_buffer_is_locked_at_its_own_size_for_the_engines_device(monkeypatch):
+    """Not torch's pinned allocator, which rounds a 48 GiB tier up to 64 GiB (siesta/pinned.py)."""
+    from siesta.tiers import host_tier
+
+    asked = []
+
+    def pinned_host_empty(shape, dtype, device):
+        asked.append((shape, dtype, device))
+        return torch.empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(host_tier, "pinned_host_empty", pinned_host_empty)
+    cuda = torch.device("cuda")
+    t = HostTier(5 * 24 + 7, SHAPE, torch.float32, cuda)
+    assert asked == [((5, *SHAPE), torch.float32, cuda)] and t.buffer.shape == (5, *SHAPE)
