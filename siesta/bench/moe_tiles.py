@@ -40,22 +40,23 @@ SMOKE_TOKENS = (3, 40)
 CANDIDATES = "128x128x64w8s4d,128x128x64w8s4d:256s2,128x128x64w8s4:256s3,128x128x64w8s4p,64x256x64w8s3"
 CALLS_PER_GRAPH = 4
 TOLERANCE = 2e-2  # max |diff| over max |out|: two bf16 tilings' rounding, not a wrong product
-_CANDIDATE = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)([pd]?)(?::(\d+)s(\d+))?")
+_CANDIDATE = re.compile(r"(\d+)x(\d+)x(\d+)w(\d+)s(\d+)([pd]?)(t?)(?::(\d+)s(\d+))?")
 
 
 def parse_candidate(text: str) -> MoeTiles:
     """``128x128x64w8s4``: rows, features, reduction chunk, warps, stages; a trailing ``p``
-    launches both GEMMs persistent (``MoeTiles.persistent``), ``d`` the down GEMM alone; then
-    ``:256s3`` gives the down GEMM its own feature tile and stages."""
+    launches both GEMMs persistent (``MoeTiles.persistent``), ``d`` the down GEMM alone; ``t``
+    loads by TMA descriptors (``MoeTiles.tma``); then ``:256s3`` gives the down GEMM its own
+    feature tile and stages."""
     match = _CANDIDATE.fullmatch(text.strip())
     if match is None:
-        raise ValueError("a tile is BLOCK_MxBLOCK_NxBLOCK_KwWARPSsSTAGES[p|d][:DOWN_NsDOWN_STAGES], "
-                         f"e.g. 128x128x64w8s4d:256s3, got {text!r}")  # fmt: skip
+        raise ValueError("a tile is BLOCK_MxBLOCK_NxBLOCK_KwWARPSsSTAGES[p|d][t][:DOWN_NsDOWN_STAGES], "
+                         f"e.g. 128x128x64w8s4dt:256s3, got {text!r}")  # fmt: skip
     m, n, k, warps, stages = (int(g) for g in match.groups()[:5])
-    down_n, down_stages = (int(g) if g else None for g in match.groups()[6:])
+    down_n, down_stages = (int(g) if g else None for g in match.groups()[7:])
     return MoeTiles(block_m=m, block_n=n, block_k=k, num_warps=warps, num_stages=stages,
                     persistent=match.group(6) == "p", persistent_down=match.group(6) == "d",
-                    down_block_n=down_n, down_num_stages=down_stages)  # fmt: skip
+                    down_block_n=down_n, down_num_stages=down_stages, tma=match.group(7) == "t")  # fmt: skip
 
 
 def _inputs(tokens: int, experts: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, device: torch.device):
@@ -123,6 +124,7 @@ def tile_label(tiles: dict) -> str:
     down_n, down_stages = tiles.get("down_block_n"), tiles.get("down_num_stages")
     return (f"{tiles['block_m']}x{tiles['block_n']}x{tiles['block_k']}w{tiles['num_warps']}s{tiles['num_stages']}"
             + ("p" if tiles.get("persistent") else "d" if tiles.get("persistent_down") else "")
+            + ("t" if tiles.get("tma") else "")
             + (f":{down_n or tiles['block_n']}s{down_stages or tiles['num_stages']}" if down_n or down_stages else ""))  # fmt: skip
 
 

@@ -8,9 +8,9 @@
    sort (about 30); both give the same rows.
 2. ``_gate_up_kernel``: per row tile and feature tile, the tile's tokens (gathered by pair) times
    its expert's gate rows and up rows, both accumulated in fp32 from one read of x, then
-   ``silu(gate) * up``, stored per pair.
-3. ``_down_kernel``: those activations times the expert's down rows, times the pair's routing
-   weight, stored per pair.
+   ``silu(gate) * up``, stored at the tile's own rows (sorted order, padding rows zero).
+3. ``_down_kernel``: those activations (a tile's rows contiguous) times the expert's down rows,
+   times the pair's routing weight, stored per pair.
 4. Each token's k outputs summed in k order (``moe.sum_over_k``; the weight is in).
 
 At one or two tokens (``PAIR_PATH_MAX_TOKENS``) the experts skip the sort: one program per
@@ -56,7 +56,7 @@ import triton.language as tl
 from siesta import pdl
 from siesta.model import batch_invariant, grouped_mm_moe
 from siesta.model.moe import sort_by_expert, sum_over_k
-from siesta.model.triton_matmul import persistent_programs
+from siesta.model.triton_matmul import TMA_ALIGN_BYTES, persistent_programs
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,11 @@ class MoeTiles:
     # ``python -m siesta.bench.moe_tiles`` a tile's ``:256s3`` suffix.
     down_block_n: int | None = None
     down_num_stages: int | None = None
+    # Expert weight tiles (and, in the down GEMM, activation tiles) loaded by TMA descriptors
+    # instead of pointer tensors; x's rows are gathered by token, so gate/up still loads them by
+    # pointer. Contiguous bf16/fp32 weights only (``_tma_ready``); in
+    # ``python -m siesta.bench.moe_tiles`` a tile's ``t`` suffix.
+    tma: bool = False
 
     def down_persistent(self) -> bool:
         return self.persistent or self.persistent_down
@@ -221,26 +226,34 @@ def fused_moe(
                         down_num_stages=min(tiles.down_stages(), WIDE_MAX_STAGES))  # fmt: skip
     a = align(ids, num_experts, tiles.block_m)
     x = x.contiguous()
+    tma = tiles.tma and _tma_ready(gate_up, down)
     # fp32 weights are multiplied in fp32, not TF32 (Triton's default for fp32 dots).
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    # Activations in the sorted, padded row order (a tile's rows are contiguous for the down
+    # GEMM's loads); a padding row holds silu(0) * 0 = 0.
+    act = torch.empty((a.max_tiles * tiles.block_m, inter), dtype=x.dtype, device=x.device)
+    gate_up_desc = _descriptor(gate_up.view(-1, hidden), tiles.block_n, tiles.block_k) if tma else None
     grid, programs = _grid(a.max_tiles, triton.cdiv(inter, tiles.block_n), tiles.persistent, x.device)
     _gate_up_kernel[grid](
-        x, gate_up, act, a.sorted_pairs, a.tile_expert, a.num_padded,
+        x, gate_up, gate_up_desc, act, a.sorted_pairs, a.tile_expert, a.num_padded,
         n, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), act.stride(0),
         TOP_K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, PRECISION=precision,
-        PERSISTENT=tiles.persistent, PROGRAMS=programs, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PERSISTENT=tiles.persistent, PROGRAMS=programs, TMA=tma,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     pair_out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).contiguous()
+    act_desc = _descriptor(act, tiles.block_m, tiles.block_k) if tma else None
+    down_desc = _descriptor(down.view(-1, inter), tiles.down_n(), tiles.block_k) if tma else None
     grid, programs = _grid(a.max_tiles, triton.cdiv(hidden, tiles.down_n()), tiles.down_persistent(), x.device)
     _down_kernel[grid](
-        act, down, pair_out, flat_weights, a.sorted_pairs, a.tile_expert, a.num_padded,
+        act, act_desc, down, down_desc, pair_out, flat_weights, a.sorted_pairs, a.tile_expert, a.num_padded,
         n, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), down.stride(2), pair_out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_n(), BLOCK_K=tiles.block_k, PRECISION=precision,
-        PERSISTENT=tiles.down_persistent(), PROGRAMS=programs, num_warps=tiles.num_warps, num_stages=tiles.down_stages(),
+        PERSISTENT=tiles.down_persistent(), PROGRAMS=programs, TMA=tma,
+        num_warps=tiles.num_warps, num_stages=tiles.down_stages(),
     )  # fmt: skip
     return sum_over_k(pair_out.view(t, k, hidden))
 
@@ -252,6 +265,19 @@ def _grid(row_tiles: int, feature_tiles: int, persistent: bool, device: torch.de
         return (row_tiles, feature_tiles), 1
     programs = min(persistent_programs(device), row_tiles * feature_tiles)
     return (programs,), programs
+
+
+def _tma_ready(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether both expert tensors can be read as 2-D TMA descriptors: contiguous (each expert's
+    rows follow the last's), 16-byte aligned base and rows."""
+    return all(w.is_contiguous() and w.data_ptr() % TMA_ALIGN_BYTES == 0
+               and w.shape[-1] * w.element_size() % TMA_ALIGN_BYTES == 0 for w in (gate_up, down))  # fmt: skip
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, [rows, cols])
 
 
 def uses_library(num_pairs: int) -> bool:
@@ -386,13 +412,14 @@ def _down_sum_kernel(
 
 @triton.jit
 def _gate_up_tile(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, pid_m, pid_n,
+    x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, tile_expert_ptr, pid_m, pid_n,
     num_pairs, H, I,
     stride_xm, stride_we, stride_wn, stride_wk, stride_om,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """Row tile ``pid_m`` x feature tile ``pid_n`` of ``silu(gate_e x) * up_e x``."""
+    """Row tile ``pid_m`` x feature tile ``pid_n`` of ``silu(gate_e x) * up_e x``, stored at the
+    tile's own (sorted) rows."""
     expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ptr + offs_m)
@@ -404,30 +431,39 @@ def _gate_up_tile(
     x_rows = x_ptr + tokens[:, None] * stride_xm
     gate_cols = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
     up_cols = gate_cols + I * stride_wn
+    # The descriptor's rows are [E * 2I, H]: a feature tile past I reads up (or the next
+    # expert's) rows, or zeros past the end, into columns that are never stored.
+    gate_row = (expert * 2 * I + pid_n * BLOCK_N).to(tl.int32)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < H
         a = tl.load(x_rows + kk[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        g = tl.load(gate_cols + kk[:, None] * stride_wk, mask=w_mask, other=0.0)
-        u = tl.load(up_cols + kk[:, None] * stride_wk, mask=w_mask, other=0.0)
+        if TMA:
+            g = w_desc.load([gate_row, k0]).T
+            u = w_desc.load([gate_row + I, k0]).T
+        else:
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            g = tl.load(gate_cols + kk[:, None] * stride_wk, mask=w_mask, other=0.0)
+            u = tl.load(up_cols + kk[:, None] * stride_wk, mask=w_mask, other=0.0)
         acc_gate = tl.dot(a, g, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, act.to(out_ptr.dtype.element_ty), mask=n_mask[None, :])
 
 
 @triton.jit
 def _down_tile(
-    a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, pid_m, pid_n,
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, pid_m, pid_n,
     num_pairs, H, I,
     stride_am, stride_we, stride_wn, stride_wk, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
-    """Row tile ``pid_m`` x output tile ``pid_n`` of ``weight * down_e act``."""
+    """Row tile ``pid_m`` x output tile ``pid_n`` of ``weight * down_e act``, stored at the
+    tile's pairs' rows."""
     expert = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_ptr + offs_m)
@@ -436,14 +472,19 @@ def _down_tile(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    a_rows = a_ptr + rows[:, None] * stride_am
+    a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
     w_cols = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    w_row = (expert * H + pid_n * BLOCK_N).to(tl.int32)  # the descriptor's rows are [E * H, I]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        kk = k0 + offs_k
-        k_mask = kk < I
-        a = tl.load(a_rows + kk[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_cols + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if TMA:
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([w_row, k0]).T
+        else:
+            kk = k0 + offs_k
+            k_mask = kk < I
+            a = tl.load(a_rows + kk[None, :], mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_cols + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     routing = tl.load(weight_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     acc = acc * routing[:, None]
@@ -453,11 +494,11 @@ def _down_tile(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
     num_pairs, H, I,
     stride_xm, stride_we, stride_wn, stride_wk, stride_om,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+    PRECISION: tl.constexpr, PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """One tile a program on a (row tiles, feature tiles) grid; or, PERSISTENT, PROGRAMS
     programs each walking tiles pid, pid + PROGRAMS, ... over the padded rows in use (the row
@@ -467,27 +508,27 @@ def _gate_up_kernel(
         tiles = tl.load(num_padded_ptr) // BLOCK_M * num_n
         for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
             _gate_up_tile(
-                x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, tile // num_n, tile % num_n,
+                x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, tile_expert_ptr, tile // num_n, tile % num_n,
                 num_pairs, H, I, stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, TMA,
             )  # fmt: skip
     else:
         pid_m = tl.program_id(0)
         if pid_m * BLOCK_M < tl.load(num_padded_ptr):
             _gate_up_tile(
-                x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, pid_m, tl.program_id(1),
+                x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, tile_expert_ptr, pid_m, tl.program_id(1),
                 num_pairs, H, I, stride_xm, stride_we, stride_wn, stride_wk, stride_om,
-                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, TMA,
             )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    a_ptr, a_desc, w_ptr, w_desc, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
     num_pairs, H, I,
     stride_am, stride_we, stride_wn, stride_wk, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr,
+    PERSISTENT: tl.constexpr, PROGRAMS: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
     """As ``_gate_up_kernel``, for the down projection."""
     if PERSISTENT:
@@ -495,15 +536,15 @@ def _down_kernel(
         tiles = tl.load(num_padded_ptr) // BLOCK_M * num_n
         for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
             _down_tile(
-                a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, tile // num_n, tile % num_n,
+                a_ptr, a_desc, w_ptr, w_desc, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, tile // num_n, tile % num_n,
                 num_pairs, H, I, stride_am, stride_we, stride_wn, stride_wk, stride_om,
-                BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, TMA,
             )  # fmt: skip
     else:
         pid_m = tl.program_id(0)
         if pid_m * BLOCK_M < tl.load(num_padded_ptr):
             _down_tile(
-                a_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, pid_m, tl.program_id(1),
+                a_ptr, a_desc, w_ptr, w_desc, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, pid_m, tl.program_id(1),
                 num_pairs, H, I, stride_am, stride_we, stride_wn, stride_wk, stride_om,
-                BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+                BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, TMA,
             )  # fmt: skip

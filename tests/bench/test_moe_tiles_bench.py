@@ -5,7 +5,7 @@ cannot run is a result rather than a crash, and the table reads it."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -44,6 +44,9 @@ def test_parse_candidate() -> None:
     wide_down = mt.parse_candidate("128x128x64w8s4d:256s3")
     assert (wide_down.down_n(), wide_down.down_stages(), wide_down.block_n, wide_down.num_stages) == (256, 3, 128, 4)
     assert (down_only.down_n(), down_only.down_stages()) == (64, 4)
+    tma = mt.parse_candidate("128x128x64w8s4dt:256s3")
+    assert tma == replace(wide_down, tma=True) and mt.tile_label(asdict(tma)) == "128x128x64w8s4dt:256s3"
+    assert mt.parse_candidate("16x64x128w4s3t").tma and not wide_down.tma
     assert all(mt.tile_label(asdict(mt.parse_candidate(c))) == c for c in mt.CANDIDATES.split(","))
 
 

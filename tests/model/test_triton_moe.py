@@ -68,6 +68,8 @@ FP32_TOL = 1e-5
 # bf16: x, the weights, the activations between the GEMMs and each pair's output rounded at 2**-9
 # (a CPU emulation of those roundings: ~5e-3 of the scale).
 BF16_TOL = 2e-2
+# Two loads of the same tiles into the same fp32 sums: a few ulps of the output's scale.
+TILING_TOL = 1e-6
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -392,6 +394,47 @@ def test_the_down_gemms_own_feature_tile(case: Case, monkeypatch: pytest.MonkeyP
         assert launched == [("gate_up", tiles.block_n, gate_up_stages), ("down", 256, 1)]
 
 
+@pytest.mark.parametrize("case", [Case(6, 2, 16, 200, 80), Case(300, 2, 4, 200, 80, skew=True), Case(40, 2, 4, 600, 48)],
+                         ids=lambda c: c.id)  # fmt: skip
+@pytest.mark.parametrize("tiles", [DECODE_TILES, PREFILL_TILES, LARGE_PREFILL_TILES],
+                         ids=["decode-tiles", "prefill-tiles", "large-prefill-tiles"])  # fmt: skip
+def test_tma_tiles_give_the_pointer_tiles_bits(case: Case, tiles: MoeTiles) -> None:
+    """Weights (and down's activations) read through TMA descriptors: the pointer loads' result.
+    The cases' H and I are not multiples of the tiles, so a gate tile runs into the up rows, the
+    last expert's past the end (zeros), and the K chunks past H or I read the descriptor's zero
+    fill where the pointer loads mask. (Not bit for bit here: the interpreter's numpy dot sums a
+    transposed tile in another order, a few fp32 ulps.)"""
+    x, weights, ids, gate_up, down = _inputs(case, torch.float32)
+    assert triton_moe._tma_ready(gate_up, down)
+    out = _fused(x, weights, ids, gate_up, down, replace(tiles, tma=True))
+    _assert_close(out, _fused(x, weights, ids, gate_up, down, tiles), TILING_TOL)
+    _assert_close(out, _oracle(x, weights, ids, gate_up, down), FP32_TOL)
+
+
+def test_tma_tiles_fall_back_to_pointer_loads_for_strided_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights a descriptor cannot describe (a view with other strides) take the pointer loads."""
+    case = Case(6, 2, 8, 64, 48)
+    x, weights, ids, gate_up, down = _inputs(case, torch.float32)
+    strided = down.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not triton_moe._tma_ready(gate_up, strided)
+    launched: list[bool] = []
+    kernel = triton_moe._down_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(kw["TMA"])
+                return kernel[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(triton_moe, "_down_kernel", Recording())
+    tma = replace(PREFILL_TILES, tma=True)
+    _assert_close(_fused(x, weights, ids, gate_up, strided, tma), _oracle(x, weights, ids, gate_up, down), FP32_TOL)
+    _fused(x, weights, ids, gate_up, down, tma)
+    assert launched == [False, True]
+
+
 def test_fused_moe_strided_inputs() -> None:
     """x as a column slice of a wider tensor and the weights as views with other strides (the
     kernels take strides, copying only x)."""
@@ -506,6 +549,18 @@ def test_fused_moe_bf16_cuda(case: Case) -> None:
     assert out.dtype == torch.bfloat16
     _assert_close(out, _oracle(x, weights, ids, gate_up, down), BF16_TOL)
     _assert_close(out, experts_reference(x, weights, ids, gate_up, down), BF16_TOL)
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("case", BF16_CASES, ids=lambda c: c.id)
+def test_tma_tiles_bf16_cuda(case: Case) -> None:
+    """On the card, the TMA loads feed the MMAs the same tiles as the pointer loads: the same
+    bits, for every tile set the step could take."""
+    x, weights, ids, gate_up, down = _inputs(case, torch.bfloat16)
+    for tiles in (DECODE_TILES, PREFILL_TILES, LARGE_PREFILL_TILES):
+        out = _fused(x, weights, ids, gate_up, down, replace(tiles, tma=True))
+        assert torch.equal(out, _fused(x, weights, ids, gate_up, down, replace(tiles, tma=False))), tiles
+        _assert_close(out, _oracle(x, weights, ids, gate_up, down), BF16_TOL)
 
 
 @GPU_ONLY
