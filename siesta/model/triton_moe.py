@@ -106,11 +106,14 @@ class MoeTiles:
 # 57a); in the 8k prefill of one eager engine, alternating tiles on fresh prompts, 159.6-162.0 ms
 # against 163.5-166.9 (run 57b, ~2 % of the step). Not better (run 59i, both GEMMs at 8k tokens):
 # a 128-wide K chunk (2 stages; 3 need 288 KiB of shared memory) 1.32x the shipped time, the down
-# GEMM on 4 stages 1.32x, a 256-wide gate/up tile (2 stages) 5.0x.
+# GEMM on 4 stages 1.32x, a 256-wide gate/up tile (2 stages) 5.0x. Weights (and down's
+# activations) by TMA descriptors (run 60a, H100): both GEMMs in 0.956x the time at 8k tokens,
+# 0.96x at 2k; in the 8k prefill the down GEMM 22.8 -> 18.2 ms, gate/up 37.4 -> 36.4, the step
+# 1.03x (MFU 51 -> 53 %). At 16-256 tokens the decode tiles with it ran in 1.00x: they stay as they are.
 DECODE_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
 PREFILL_TILES = MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 LARGE_PREFILL_TILES = MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, persistent_down=True,
-                               down_block_n=256, down_num_stages=3)  # fmt: skip
+                               down_block_n=256, down_num_stages=3, tma=True)  # fmt: skip
 # fp32 experts (tests, the CPU-sized shapes) at most this many stages: a 4-stage 128-row fp32
 # tile needs 304 KiB of shared memory, over Hopper's 227.
 WIDE_MAX_STAGES = 2
