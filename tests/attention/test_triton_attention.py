@@ -314,7 +314,7 @@ def test_prefill_split_more_splits_than_key_tiles(dtype: torch.dtype, monkeypatc
 def test_a_step_plans_once_and_its_layers_share_scratch(prefill_splits: int | None, monkeypatch) -> None:
     """Every layer of a step reads the first layer's plan and partial buffers back from the
     metadata, and gets the bits a fresh metadata gives it."""
-    specs = [(250, 1), (300, 7), (0, 1), (180, 45)]
+    specs = [(120, 1), (150, 7), (0, 1), (90, 20)]
     batch = make_batch(specs, 2, 32, 16, torch.float32, seed=23)
     backend = TritonAttention(decode_splits=4, prefill_splits=prefill_splits)
     plans = []

@@ -155,6 +155,7 @@ def test_a_world_of_a_billion_ranks_is_refused_at_once(dev_server, route):
 
 def test_a_rendezvous_at_a_dead_port_answers_within_its_timeout_and_streams_go_on(dev_server):
     chunks: list[float] = []
+    checked = threading.Event()
 
     def stream() -> None:
         body = {"prompt": "Tell me about the sea.", "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -162,23 +163,28 @@ def test_a_rendezvous_at_a_dead_port_answers_within_its_timeout_and_streams_go_o
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     chunks.append(time.monotonic())
+                if checked.is_set():  # the stream has served its purpose: disconnect (the server aborts it)
+                    break
 
     worker = threading.Thread(target=stream)
     worker.start()
     deadline = time.monotonic() + 60
     while not chunks and time.monotonic() < deadline:
         time.sleep(0.05)
-    for route in ("/init_weights_update_group", "/init_weight_transfer_engine"):
-        group = _group(route) | {"timeout_s": JOIN_TIMEOUT_S}
-        body = {"init_info": group} if route == "/init_weight_transfer_engine" else group
-        t0 = time.monotonic()
-        response = _post(dev_server, route, json=body)
-        t1 = time.monotonic()
-        assert response.status_code == 400 and "could not" in response.text, response.text
-        assert t1 - t0 < JOIN_TIMEOUT_S + 8, f"{route} answered after {t1 - t0:.1f}s"
-        during = [c for c in chunks if t0 <= c <= t1]
-        assert len(during) >= 3, f"the stream got {len(during)} tokens while {route} joined: the step loop stalled"
-    worker.join(120)
+    try:
+        for route in ("/init_weights_update_group", "/init_weight_transfer_engine"):
+            group = _group(route) | {"timeout_s": JOIN_TIMEOUT_S}
+            body = {"init_info": group} if route == "/init_weight_transfer_engine" else group
+            t0 = time.monotonic()
+            response = _post(dev_server, route, json=body)
+            t1 = time.monotonic()
+            assert response.status_code == 400 and "could not" in response.text, response.text
+            assert t1 - t0 < JOIN_TIMEOUT_S + 8, f"{route} answered after {t1 - t0:.1f}s"
+            during = [c for c in chunks if t0 <= c <= t1]
+            assert len(during) >= 3, f"the stream got {len(during)} tokens while {route} joined: the step loop stalled"
+    finally:
+        checked.set()
+        worker.join(120)
 
 
 @pytest.mark.parametrize(
