@@ -144,9 +144,11 @@ def run_arm(arm: str, replicas: list[LocalReplica], num_prompts: int, prompt_len
         client.wake_up()
         sleep_wake_s = time.perf_counter() - t0
         resumed = [prompts[i] + outs[i]["output_ids"] for i in range(num_prompts)]
-        order = resume_order(num_prompts, len(replicas), seed)
-        with ThreadPoolExecutor(num_prompts) as pool:
-            list(pool.map(lambda i: generate(gateway.url, resumed[i], rids[i], 1), order))
+        # One at a time: a round-robin gateway then sees them in ``order`` (12 threads at once
+        # arrived in whatever order the threads ran, and once lined ten of twelve up with the
+        # warm-up's replicas: round robin "found" the tier by luck).
+        for i in resume_order(num_prompts, len(replicas), seed):
+            generate(gateway.url, resumed[i], rids[i], 1)
         after = replica_metrics(urls)
         client.close()
     finally:

@@ -578,7 +578,8 @@ def test_fused_moe_no_host_sync_cuda() -> None:
 
 
 @GPU_ONLY
-@pytest.mark.parametrize("case", [Case(1, 8, 128, 256, 96), Case(8, 8, 128, 256, 96), Case(256, 2, 16, 200, 80)],
+@pytest.mark.parametrize("case", [Case(1, 8, 128, 256, 96), Case(8, 8, 128, 256, 96), Case(256, 2, 16, 200, 80),
+                                  Case(300, 2, 4, 256, 128, skew=True)],  # the large tiles: TMA descriptors
                          ids=lambda c: c.id)  # fmt: skip
 def test_fused_moe_cuda_graph_replay(case: Case) -> None:
     """Captured once, replayed with new routings copied into the captured buffers (other experts,
