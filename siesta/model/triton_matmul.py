@@ -236,9 +236,10 @@ TMA_ALIGN_BYTES = 16
 INTERPRETER_PROGRAMS = 4
 
 
-def _tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def tma_ready(*tensors: torch.Tensor) -> bool:
+    """Whether each 2-D tensor (contiguous along its rows) can back a TMA descriptor."""
     return all(t.data_ptr() % TMA_ALIGN_BYTES == 0 and t.stride(0) * t.element_size() % TMA_ALIGN_BYTES == 0
-               for t in (x, weight))  # fmt: skip
+               for t in tensors)  # fmt: skip
 
 
 def persistent_programs(device: torch.device) -> int:
@@ -281,7 +282,7 @@ def matmul(
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     config = config or config_for(n, k, m, x.dtype)
-    if config.persistent_tma and _tma_ready(x, weight):
+    if config.persistent_tma and tma_ready(x, weight):
         _launch_tma(x, weight, bias, out, config)
         return out
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)

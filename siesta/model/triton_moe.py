@@ -56,7 +56,7 @@ import triton.language as tl
 from siesta import pdl
 from siesta.model import batch_invariant, grouped_mm_moe
 from siesta.model.moe import sort_by_expert, sum_over_k
-from siesta.model.triton_matmul import TMA_ALIGN_BYTES, persistent_programs
+from siesta.model.triton_matmul import persistent_programs, tma_ready
 
 
 @dataclass(frozen=True)
@@ -272,9 +272,8 @@ def _grid(row_tiles: int, feature_tiles: int, persistent: bool, device: torch.de
 
 def _tma_ready(gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether both expert tensors can be read as 2-D TMA descriptors: contiguous (each expert's
-    rows follow the last's), 16-byte aligned base and rows."""
-    return all(w.is_contiguous() and w.data_ptr() % TMA_ALIGN_BYTES == 0
-               and w.shape[-1] * w.element_size() % TMA_ALIGN_BYTES == 0 for w in (gate_up, down))  # fmt: skip
+    rows follow the last's), then ``triton_matmul``'s alignment rule on the 2-D views."""
+    return gate_up.is_contiguous() and down.is_contiguous() and tma_ready(gate_up.flatten(0, 1), down.flatten(0, 1))
 
 
 def _descriptor(t: torch.Tensor, rows: int, cols: int):
