@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import weakref
 from dataclasses import asdict
 
@@ -109,20 +110,45 @@ def test_a_skipped_batch_reads_as_skipped_in_the_table() -> None:
     assert gpu.summary({"moe": res}) == [["MoE decode batch256 tok/s", "-", "skipped: the KV cache holds 100 tokens; ..."]]
 
 
-def test_a_push_that_cannot_fit_beside_the_engine_is_skipped_before_the_trainer_is_made(monkeypatch):
-    """The 30B shape's push holds its 61 GB twice: on an 80 GB card it is said, not attempted."""
+def test_a_push_that_cannot_fit_twice_is_of_the_layers_that_do(monkeypatch):
+    """The 30B shape's push holds its 61 GB twice: on an 80 GB card the trainer pushes the shape
+    cut to the layers that fit, every layer's tensors the whole model's, and says so."""
     import types
 
     import torch
 
     from siesta.bench import weight_transfer
+    from siesta.model.loader import resolve_model
+    from siesta.model.random_init import parameter_layout
+
+    whole = resolve_model("random:qwen3-30b-a3b").hf_config
+    per_layer, rest = moe_bench.layer_bytes(whole)
+    # Counted bytes: the whole shape's tensors are its layers' and the rest's.
+    assert sum(math.prod(s) * 2 for _, s in parameter_layout(whole)) == rest + whole.num_hidden_layers * per_layer
+    assert 60e9 < rest + whole.num_hidden_layers * per_layer < 62e9
+    pushed = {}
+
+    def fake_push(args):
+        source = resolve_model(args.model)
+        pushed.update(layers=source.hf_config.num_hidden_layers, names=[n for n, _ in parameter_layout(source.hf_config)])
+        return {"bytes": 1, "ipc": {"GB_s": 900.0, "of_plain_copy": 0.45}, "plain_copy": {"GB_s": 2000.0}}
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _: types.SimpleNamespace(total_memory=80e9))
-    monkeypatch.setattr(weight_transfer, "weight_transfer", lambda _: pytest.fail("the trainer was made"))
-    out = moe_bench._push(gpu.build_parser().parse_args([]), weight_bytes=int(61e9))
-    assert out == {"skipped": "the trainer's and the engine's weights (2 x 61 GB) do not fit this card's 80 GB"}
-    assert moe_bench.summary_rows({"weight_transfer": out})[-1][1:] == ["-", out["skipped"]]
+    monkeypatch.setattr(weight_transfer, "weight_transfer", fake_push)
+    out = moe_bench._push(gpu.build_parser().parse_args([]))
+    fit = out["cut"]["layers"]
+    assert out["cut"]["of_layers"] == 48 and fit == pushed["layers"]
+    # The most layers that fit twice beside the headroom, and not one more.
+    assert 2 * (rest + fit * per_layer) + moe_bench.PUSH_HEADROOM_BYTES <= 80e9
+    assert 2 * (rest + (fit + 1) * per_layer) + moe_bench.PUSH_HEADROOM_BYTES > 80e9
+    layer_names = {n.replace(".layers.0.", ".layers.{}.") for n in pushed["names"] if ".layers.0." in n}
+    assert len(pushed["names"]) == len(layer_names) * fit + (len(parameter_layout(whole)) - 48 * len(layer_names))
+    assert moe_bench.summary_rows({"weight_transfer": out})[-1][2].endswith(f"({fit} of 48 layers)")
+
+
+def test_a_push_that_fits_is_of_the_whole_model(tmp_path):
+    assert moe_bench.push_model("random:tiny-qwen3-moe", int(80e9), str(tmp_path)) == ("random:tiny-qwen3-moe", None)
 
 
 def test_the_push_row_reads_the_ipc_rate_against_a_device_copy():
