@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from siesta import LLM, SamplingParams
 from siesta.control import EngineStateError, RequestRejected
 from siesta.model.random_init import RANDOM_SHAPES
-from siesta.weight_transfer import WeightSender, WeightTransferError
+from siesta.weight_transfer import WeightSender, WeightTransferError, updater
 from siesta.weight_transfer.sender import free_port
 from siesta.weight_transfer.updater import UpdateFailed
 
@@ -110,7 +110,11 @@ def test_biases_qk_norms_and_fused_names_land(shape):
     assert_matches(llm, hf)
 
 
-def test_fp32_masters_are_cast_into_bf16_weights_on_the_engine():
+@pytest.mark.parametrize("foreach_max_bytes", [updater.FOREACH_MAX_BYTES, 1024])
+def test_fp32_masters_are_cast_into_bf16_weights_on_the_engine(monkeypatch, foreach_max_bytes):
+    # The default copies every tiny tensor in multi-tensor launches; 1 kB splits them: the norms
+    # (128 B in bf16) go that way, the linears and embeddings one copy each.
+    monkeypatch.setattr(updater, "FOREACH_MAX_BYTES", foreach_max_bytes)
     llm, hf = engine("nccl", dtype="bfloat16"), trainer_model()
     sender = WeightSender(llm, "nccl")
     sender.init()
