@@ -9,6 +9,7 @@ each, instead of three and two).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 WRAPPER_SEGMENTS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 SKIPPED = ("rotary_emb.",)
+NAME_CACHE_SIZE = 1 << 17  # names: Qwen3-235B-A22B pushes ~36k per-expert tensors a step
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -53,11 +55,20 @@ def checkpoint_tensors(
         yield name, tensor.contiguous()
 
 
+@functools.lru_cache(maxsize=NAME_CACHE_SIZE)
+def _kept_name(raw: str) -> str | None:
+    """``checkpoint_name(raw)``, or None for a tensor that does not travel. Cached: a trainer
+    pushes the same names every step, and a per-expert MoE push is ~10k of them (renaming took
+    ~90 ms of a 20-layer Qwen3-30B-A3B push on an H100's host, run 61c)."""
+    name = checkpoint_name(raw)
+    return None if any(s in name for s in SKIPPED) else name
+
+
 def _renamed(pairs: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
     embedding: torch.Tensor | None = None  # held, so its address cannot be reused meanwhile
     for raw, tensor in pairs:
-        name = checkpoint_name(raw)
-        if any(s in name for s in SKIPPED):
+        name = _kept_name(raw)
+        if name is None:
             continue
         if name == EMBEDDING:
             embedding = tensor
