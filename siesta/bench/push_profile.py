@@ -225,7 +225,9 @@ def summary(res: dict[str, Any]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:qwen3-30b-a3b")
-    ap.add_argument("--layers", type=int, default=10, help="the shape cut to this many layers (the trainer's copy, its device copy and the engine's: 10 of Qwen3-30B-A3B's fit 80 GB, 20 did not)")
+    ap.add_argument("--layers", type=int, default=10,
+                    help="the shape cut to this many layers: the trainer's copy, its device copy and the engine's "
+                         "hold them three times (10 of Qwen3-30B-A3B's fit 80 GB, 20 did not)")  # fmt: skip
     ap.add_argument("--layouts", default=",".join(LAYOUTS), type=lambda s: s.split(","))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
