@@ -104,7 +104,7 @@ def hf_embedded():
 def _gguf_parsed_once():
     """While transformers loads a GGUF: one parse of the file where it makes two (config, then
     weights; ~7 s each here, mostly the 49k-token vocabulary), and one GGUF-to-HF name table per
-    architecture where it builds one per module (397). Same code, same results, ~12 s less."""
+    architecture where it builds one per module (397). Same code, same weights bit for bit: 18 -> 9 s here."""
     import gguf
 
     readers: dict[str, object] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import os
@@ -129,3 +130,17 @@ def run_part(out: dict[str, Any], section: str, name: str, step: Callable[[], An
     out[f"{name}_s"] = time.perf_counter() - t0
     log_part(section, name, out[name])
     release_memory()
+
+
+def cut_model(model: str, layers: int, folder: str) -> str:
+    """``random:<folder>``: random weights of ``model``'s architecture cut to its first ``layers``
+    layers, every one of them as the whole model's (the config written into ``folder``)."""
+    from siesta.model.loader import resolve_model
+    from siesta.model.random_init import RANDOM_PREFIX
+
+    config = copy.deepcopy(resolve_model(model).hf_config)
+    config.num_hidden_layers = layers
+    if getattr(config, "mlp_only_layers", None):
+        config.mlp_only_layers = [i for i in config.mlp_only_layers if i < layers]
+    config.save_pretrained(folder)
+    return f"{RANDOM_PREFIX}{folder}"

@@ -21,7 +21,6 @@ random weights, bf16) as the dense sections measure the 8B.
 from __future__ import annotations
 
 import argparse
-import copy
 import functools
 import math
 import tempfile
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from siesta.bench.common import log_part, release_memory, run_part
+from siesta.bench.common import cut_model, log_part, release_memory, run_part
 from siesta.bench.steps import (
     PROFILE_TOP_KERNELS,
     BatchDoesNotFit,
@@ -316,9 +315,8 @@ def push_model(model: str, card_bytes: int, folder: str) -> tuple[str, dict[str,
     the engine's headroom; else ``random:<folder>``, its config cut to the layers that fit
     (written into ``folder``), and what was cut."""
     from siesta.model.loader import resolve_model
-    from siesta.model.random_init import RANDOM_PREFIX
 
-    config = copy.deepcopy(resolve_model(model).hf_config)
+    config = resolve_model(model).hf_config
     per_layer, rest = layer_bytes(config)
     total = config.num_hidden_layers
     fit = int(((card_bytes - PUSH_HEADROOM_BYTES) / PUSH_COPIES - rest) // per_layer)
@@ -326,14 +324,10 @@ def push_model(model: str, card_bytes: int, folder: str) -> tuple[str, dict[str,
         return model, None
     if fit < 1:
         raise ValueError(f"not one layer of {model} fits {PUSH_COPIES} times on this card's {card_bytes / 1e9:.0f} GB")
-    config.num_hidden_layers = fit
-    if getattr(config, "mlp_only_layers", None):
-        config.mlp_only_layers = [i for i in config.mlp_only_layers if i < fit]
-    config.save_pretrained(folder)
     cut = {"layers": fit, "of_layers": total, "whole_model_bytes": rest + total * per_layer,
            "why": f"the whole model's weights ({PUSH_COPIES} x {(rest + total * per_layer) / 1e9:.0f} GB) do not fit "
                   f"this card's {card_bytes / 1e9:.0f} GB beside the engine's {PUSH_HEADROOM_BYTES / 2**30:.0f} GiB"}  # fmt: skip
-    return f"{RANDOM_PREFIX}{folder}", cut
+    return cut_model(model, fit, folder), cut
 
 
 def layer_bytes(config: Any) -> tuple[int, int]:

@@ -17,7 +17,6 @@ The engine is an in-process ``LLM`` in a spawned child that takes the sender's c
 from __future__ import annotations
 
 import argparse
-import copy
 import cProfile
 import io
 import json
@@ -30,6 +29,8 @@ import time
 from typing import Any
 
 import torch
+
+from siesta.bench.common import cut_model
 
 LAYOUTS = ("per_expert", "stacked")
 COPY_ARMS = {"foreach": None, "one_each": 0}  # None: the updater's own threshold
@@ -176,23 +177,20 @@ def pushes(engine: _PipeEngine, tensors: dict[str, torch.Tensor], reps: int) -> 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from siesta.model.loader import resolve_model
-    from siesta.model.random_init import RANDOM_PREFIX
 
     out: dict[str, Any] = {"model": args.model, "layers": args.layers, "device": args.device}
     with tempfile.TemporaryDirectory(prefix="siesta-push-profile-") as folder:
-        config = copy.deepcopy(resolve_model(args.model).hf_config)
-        config.num_hidden_layers = args.layers
-        config.save_pretrained(folder)
+        model = cut_model(args.model, args.layers, folder)
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_engine, args=(child, f"{RANDOM_PREFIX}{folder}", args.device), daemon=True)
+        proc = ctx.Process(target=_engine, args=(child, model, args.device), daemon=True)
         proc.start()
         try:
             if parent.recv() != "ready":
                 raise RuntimeError("the engine did not start")
             engine = _PipeEngine(parent)
             for layout in args.layouts:
-                tensors = dict(resolve_model(f"{RANDOM_PREFIX}{folder}@1").iter_weights(torch.bfloat16, args.device))
+                tensors = dict(resolve_model(f"{model}@1").iter_weights(torch.bfloat16, args.device))  # another seed
                 if layout == "stacked":
                     tensors = stacked(tensors)
                 out[layout] = {"device_copy": device_copies(tensors, args.device, args.reps)}
