@@ -7,8 +7,9 @@ anything is written) and the cuts of it this rank keeps, each already bound to i
 (a parameter, some rows of a fused one, or one expert's slice of a stacked expert tensor).
 
 A family plans each name once (``Plan``: parameter name, keys, full shape, ``Place``s, no
-tensors) and binds the plan to the parameter as it is now on every lookup, since sleep and
-``to_empty`` may swap parameter objects.
+tensors) and binds the plan to the parameter; the bound target is kept while the parameter is
+the same object at the same address (``to_empty`` gives parameters new storage; a CPU sleep
+moves it).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class Plan(NamedTuple):
     places: tuple[Place, ...]
 
     def bind(self, params: dict[str, torch.nn.Parameter]) -> WeightTarget:
-        param = params[self.pname].data  # the parameter now: sleep and to_empty may swap it
+        param = params[self.pname].data  # the parameter now (its storage, not the Parameter)
         places = self.places
         cuts = (places[0].bind(param),) if len(places) == 1 else tuple(place.bind(param) for place in places)
         return WeightTarget(self.keys, self.full_shape, cuts)

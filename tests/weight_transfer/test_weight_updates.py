@@ -275,6 +275,23 @@ def test_colocated_flow_sleep_level_2_then_weights_then_kv_cache():
     sender.close()
 
 
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_push_after_a_sleep_lands_in_the_woken_weights(level):
+    # The model keeps each name's bound views between pushes; a CPU sleep resizes the storages
+    # to nothing and back (new addresses), so the second push must write the woken storage.
+    llm, hf1, hf2 = engine("ipc"), trainer_model(seed=1), trainer_model(seed=2)
+    sender = WeightSender(llm, "ipc")
+    sender.init()
+    assert sender.push(hf1) == "1"
+    assert_matches(llm, hf1)
+    llm.sleep(level=level)
+    llm.wake_up(tags=["weights"])
+    assert sender.push(hf2) == "2"
+    llm.wake_up(tags=["kv_cache"])
+    assert_matches(llm, hf2)
+    sender.close()
+
+
 def test_after_a_level_2_sleep_a_partial_update_cannot_finish():
     llm, hf = engine("ipc"), trainer_model()
     sender = WeightSender(llm, "ipc")
