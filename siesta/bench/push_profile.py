@@ -8,6 +8,7 @@ The engine is an in-process ``LLM`` in a spawned child that takes the sender's c
   the experts (``mlp.experts.E.{gate,up,down}_proj.weight``, ~390 tensors a layer), or stacked
   as transformers 5 models hold them (``mlp.experts.gate_up_proj`` / ``down_proj``);
 - the engine's copies: multi-tensor launches under ``updater.FOREACH_MAX_BYTES`` or one each;
+  and, as before the model kept its bound targets, every target bound again on every push;
 - beside them, a device copy of the same tensors in this process, one copy each and by
   ``_foreach_copy_``.
 
@@ -33,7 +34,9 @@ import torch
 from siesta.bench.common import cut_model
 
 LAYOUTS = ("per_expert", "stacked")
-COPY_ARMS = {"foreach": None, "one_each": 0}  # None: the updater's own threshold
+COPY_ARMS = ("foreach", "one_each")
+# The engine's arms: (FOREACH_MAX_BYTES, None for the updater's own; bind every target again).
+ENGINE_ARMS = {"foreach": (None, False), "one_each": (0, False), "foreach_rebound": (None, True)}
 PROFILE_ROWS = 22
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -59,8 +62,10 @@ def _engine(conn: Any, model: str, device: str) -> None:
               weight_transfer_config={"backend": "ipc"})  # fmt: skip
     conn.send("ready")
     while (msg := conn.recv()) is not None:
-        verb, args, profile, foreach = msg
+        verb, args, profile, (foreach, rebind) = msg
         updater.FOREACH_MAX_BYTES = default if foreach is None else foreach
+        if rebind:  # as before targets were kept: every push binds each one again
+            llm.engine.runner.model.__dict__.pop("_bound_targets", None)
         prof = cProfile.Profile() if profile else None
         t0 = time.perf_counter()
         try:
@@ -79,13 +84,13 @@ class _PipeEngine:
     """The four weight-transfer calls, forwarded to the child; its seconds per update_weights kept."""
 
     def __init__(self, conn: Any) -> None:
-        self.conn, self.profile, self.foreach = conn, False, None
+        self.conn, self.profile, self.arm = conn, False, ENGINE_ARMS["foreach"]
         self.update_s: list[float] = []
         self.profiles: list[str] = []
 
     def _call(self, verb: str, *args: Any) -> Any:
         profile = self.profile and verb == "update_weights"
-        self.conn.send((verb, args, profile, self.foreach))
+        self.conn.send((verb, args, profile, self.arm))
         out, error, seconds, text = self.conn.recv()
         if error:
             raise RuntimeError(f"the engine's {verb}: {error}")
@@ -155,8 +160,8 @@ def pushes(engine: _PipeEngine, tensors: dict[str, torch.Tensor], reps: int) -> 
     sender.init()
     sender.push(tensors)  # the first opens the handles
     res: dict[str, Any] = {"tensors": len(tensors), "bytes": nbytes}
-    for arm, foreach in COPY_ARMS.items():
-        engine.foreach, engine.update_s, engine.profiles, walls = foreach, [], [], []
+    for arm, engine_arm in ENGINE_ARMS.items():
+        engine.arm, engine.update_s, engine.profiles, walls = engine_arm, [], [], []
         for i in range(reps + 1):
             engine.profile = i == reps
             trainer = cProfile.Profile() if engine.profile else None
@@ -211,9 +216,9 @@ def summary(res: dict[str, Any]) -> list[str]:
         copies = cell["device_copy"]
         lines.append(f"{layout}: {cell['tensors']} tensors, {cell['bytes'] / 1e9:.1f} GB; device copy one each "
                      f"{copies['one_each']['p50_ms']:.1f} ms, foreach {copies['foreach']['p50_ms']:.1f} ms")  # fmt: skip
-        for arm in COPY_ARMS:
+        for arm in ENGINE_ARMS:
             p = cell[arm]
-            lines.append(f"  engine copies {arm}: push {p['push_p50_ms']:.0f} ms ({p['GB_s']:.0f} GB/s, "
+            lines.append(f"  engine {arm}: push {p['push_p50_ms']:.0f} ms ({p['GB_s']:.0f} GB/s, "
                          f"{copies['one_each']['p50_ms'] / p['push_p50_ms']:.2f} of the one-each "
                          f"device copy), engine {p['engine_update_p50_ms']:.0f} ms, trainer + pipe "
                          f"{p['trainer_and_pipe_p50_ms']:.0f} ms")  # fmt: skip
@@ -237,7 +242,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
     for layout in LAYOUTS:
-        for arm in COPY_ARMS if args.profiles and layout in res else ():
+        for arm in ENGINE_ARMS if args.profiles and layout in res else ():
             print(f"== {layout}, {arm}: engine\n{res[layout][arm]['engine_profile']}")
             print(f"== {layout}, {arm}: trainer\n{res[layout][arm]['trainer_profile']}")
     print("\n".join(summary(res)))
