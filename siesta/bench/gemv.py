@@ -1,9 +1,10 @@
 """Decode GEMMs at batch 1..8: cuBLAS (``F.linear``) against the Triton ``gemv`` configs.
 
-    python -m siesta.bench.gemv [--json PATH] [--device cuda] [--smoke]
+    python -m siesta.bench.gemv [--json PATH] [--device cuda] [--smoke] [--model qwen3-30b-a3b] [--rows 1]
 
-Llama-3-8B shapes in bf16 (qkv, o_proj, gate_up, down, lm_head), x of M rows in
-``ROWS``. Every figure is the time of one call inside a CUDA graph of
+Llama-3-8B shapes in bf16 (qkv, o_proj, gate_up, down, lm_head), or with ``--model
+qwen3-30b-a3b`` the dense matrices of that MoE (qkv, o_proj, lm_head: its experts go
+through the fused-MoE kernels), x of M rows in ``ROWS`` (or ``--rows``). Every figure is the time of one call inside a CUDA graph of
 ``CALLS_PER_GRAPH`` calls (launch gaps as a graphed decode step sees them, no host
 overhead), median over ``GRAPH_REPLAYS`` replays. The calls cycle through enough
 copies of the weight that one cycle touches several times the L2 (or
@@ -12,8 +13,8 @@ copies of the weight that one cycle touches several times the L2 (or
 Reported per shape and M: µs per call and TB/s (weight bytes / time) for cuBLAS and
 each config, the error of each config against cuBLAS (configs beyond
 ``WRONG_ABOVE`` are flagged and never picked as best), the best config, and the
-cuBLAS / best-Triton time ratio. Last, one decode step at M=1: the four layer
-matrices x ``LAYERS`` + lm_head, for cuBLAS, the best Triton config per shape and
+cuBLAS / best-Triton time ratio. Last, one decode step at M=1: the layer
+matrices x the model's layers + lm_head, for cuBLAS, the best Triton config per shape and
 the faster of the two per shape.
 
 ``--smoke`` runs tiny fp32 shapes through Triton's interpreter on the CPU
@@ -46,6 +47,8 @@ DTYPE = torch.bfloat16
 SMOKE_DTYPE = torch.float32  # the interpreter's bf16 arithmetic is unreliable
 LAYERS = 32
 HIDDEN = 4096
+MOE_LAYERS = 48
+MOE_HIDDEN = 2048
 ROWS = (1, 2, 4, 8)
 CALLS_PER_GRAPH = 100
 # Max |triton - cuBLAS| / max |cuBLAS| above which a config is wrong: both round an
@@ -71,6 +74,13 @@ LLAMA3_8B = (
     Shape("down", HIDDEN, 14336, LAYERS),
     Shape("lm_head", 128256, HIDDEN, 1),
 )
+# Qwen3-30B-A3B's dense matrices: q|k|v (32 + 2 * 4 heads of 128), o_proj (32 heads of 128 in).
+QWEN3_30B_A3B = (
+    Shape("qkv", 5120, MOE_HIDDEN, MOE_LAYERS),
+    Shape("o_proj", MOE_HIDDEN, 4096, MOE_LAYERS),
+    Shape("lm_head", 151936, MOE_HIDDEN, 1),
+)
+MODELS = {"llama-3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
 # Ragged on purpose (N not a multiple of the tiles, K not of the chunks).
 SMOKE_SHAPES = (Shape("qkv", 48, 96, 2), Shape("lm_head", 40, 72, 1))
 SMOKE_ROWS = (1, 3)
@@ -97,8 +107,11 @@ CANDIDATES = (
     _cfg(16, 512, 4, 4),
     _cfg(16, 512, 8, 3),
     _cfg(32, 256, 4, 3),
-    # CUDA cores, split-K (more programs for N=4096).
+    # CUDA cores, split-K (more programs for N=4096, and N=2048: 128 programs of 16 rows).
     _cfg(16, 512, 4, 3, split_k=2),
+    _cfg(8, 512, 4, 3, split_k=2),
+    _cfg(16, 256, 4, 4, split_k=2),
+    _cfg(16, 512, 4, 3, split_k=4),
     # Tensor cores (tl.dot, x padded to 16 rows).
     _cfg(32, 256, 4, 4, dot=True),
     _cfg(32, 512, 4, 3, dot=True),
@@ -242,13 +255,17 @@ def _summary_rows(results: list[ShapeResult]) -> list[list]:
 
 def main() -> None:
     parser = kernel_bench_parser(__doc__, "tiny shapes, two configs: checks the script runs")
+    parser.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b", help="whose matrices")
+    parser.add_argument("--rows", type=lambda t: tuple(int(r) for r in t.split(",")), default=None,
+                        help=f"rows of x, comma-separated (default {','.join(map(str, ROWS))})")  # fmt: skip
     args = parser.parse_args()
     device = bench_device(args)
     shapes, rows, candidates, dtype = (
         (SMOKE_SHAPES, SMOKE_ROWS, SMOKE_CANDIDATES, SMOKE_DTYPE)
         if args.smoke
-        else (LLAMA3_8B, ROWS, CANDIDATES, DTYPE)
+        else (MODELS[args.model], ROWS, CANDIDATES, DTYPE)
     )
+    rows = args.rows or rows
     torch.manual_seed(0)
     began = time.perf_counter()
     results: list[ShapeResult] = []
@@ -267,7 +284,7 @@ def main() -> None:
         _summary_rows(results),
     )
     print_table(
-        f"One decode step at M=1 ({LAYERS} layers x qkv+o+gate_up+down, + lm_head), ms",
+        f"One decode step's matrices at M=1 ({' + '.join(f'{s.per_step} x {s.name}' for s in shapes)}), ms",
         ["cuBLAS", "best Triton", "best of both", "Triton default"],
         [[step["cublas_ms"], step["triton_ms"], step["best_of_both_ms"], step["triton_default_ms"]]],
     )
@@ -275,6 +292,7 @@ def main() -> None:
         args.json,
         {
             "device": device_name,
+            "model": "smoke" if args.smoke else args.model,
             "dtype": str(dtype),
             "calls_per_graph": CALLS_PER_GRAPH,
             "graph_replays": GRAPH_REPLAYS,
