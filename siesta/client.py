@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 import httpx
+import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from siesta.control import HTTP_ROUTES, init_info_of
@@ -243,6 +244,14 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def _json_content(body: Any) -> dict[str, Any]:
+    """A call's JSON body as request arguments. Encoded by msgspec: a MoE push declares ~19k
+    tensors in ~7 MB of JSON, which httpx's ``json.dumps`` wrote in 25 ms here, msgspec in 3."""
+    if body is None:
+        return {}
+    return {"content": msgspec.json.encode(body), "headers": {"Content-Type": "application/json"}}
+
+
 # -- the clients -----------------------------------------------------------------------------
 
 
@@ -257,7 +266,7 @@ class SiestaClient(_Routes):
         self.http = httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout, transport=transport)
 
     def _run(self, call: HTTPCall) -> Any:
-        response = self.http.request(call.method, call.path, params=call.params, json=call.body)
+        response = self.http.request(call.method, call.path, params=call.params, **_json_content(call.body))
         return call.extract(_payload(response))
 
     def health(self) -> bool:
@@ -303,7 +312,7 @@ class AsyncSiestaClient(_Routes):
         )
 
     async def _run(self, call: HTTPCall) -> Any:
-        response = await self.http.request(call.method, call.path, params=call.params, json=call.body)
+        response = await self.http.request(call.method, call.path, params=call.params, **_json_content(call.body))
         return call.extract(_payload(response))
 
     async def health(self) -> bool:
