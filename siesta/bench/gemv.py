@@ -4,18 +4,19 @@
 
 Llama-3-8B shapes in bf16 (qkv, o_proj, gate_up, down, lm_head), or with ``--model
 qwen3-30b-a3b`` the dense matrices of that MoE (qkv, o_proj, lm_head: its experts go
-through the fused-MoE kernels), x of M rows in ``ROWS`` (or ``--rows``). Every figure is the time of one call inside a CUDA graph of
-``CALLS_PER_GRAPH`` calls (launch gaps as a graphed decode step sees them, no host
-overhead), median over ``GRAPH_REPLAYS`` replays. The calls cycle through enough
+through the fused-MoE kernels), x of M rows in ``ROWS`` (or ``--rows``). Every figure
+is the time of one call inside a CUDA graph of ``CALLS_PER_GRAPH`` calls (launch gaps
+as a graphed decode step sees them, no host overhead), median over ``GRAPH_REPLAYS``
+replays. The calls cycle through enough
 copies of the weight that one cycle touches several times the L2 (or
 ``MIN_BYTES_PER_CYCLE``), so every weight comes from HBM as in a real step.
 
 Reported per shape and M: µs per call and TB/s (weight bytes / time) for cuBLAS and
 each config, the error of each config against cuBLAS (configs beyond
 ``WRONG_ABOVE`` are flagged and never picked as best), the best config, and the
-cuBLAS / best-Triton time ratio. Last, one decode step at M=1: the layer
-matrices x the model's layers + lm_head, for cuBLAS, the best Triton config per shape and
-the faster of the two per shape.
+cuBLAS / best-Triton time ratio. Last, one decode step at M=1: the layer matrices x
+the model's layers + lm_head, for cuBLAS, the best Triton config per shape and the
+faster of the two per shape.
 
 ``--smoke`` runs tiny fp32 shapes through Triton's interpreter on the CPU
 (``TRITON_INTERPRET=1 python -m siesta.bench.gemv --smoke --device cpu``), only

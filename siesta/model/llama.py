@@ -383,8 +383,9 @@ class CausalLM(nn.Module):
             return None
         # Bound targets are kept while their parameter is the same object at the same address:
         # binding builds views (9 us a tensor, 67 ms of a per-expert 30B-A3B push on an H100,
-        # run 61c). Sleep keeps both (arenas re-map the same addresses; a CPU sleep resizes the
-        # storage in place, which moves the address and so rebinds); to_empty swaps the objects.
+        # run 61c). An arena sleep re-maps the same addresses (kept); a CPU sleep resizes the
+        # storage in place and to_empty gives parameters new storage (both bind again). The
+        # views hold no slept memory: arenas unmap the pages, a CPU sleep empties the storage.
         param = params[plan.pname]
         bound = self.__dict__.setdefault("_bound_targets", {})
         kept = bound.get(name)
