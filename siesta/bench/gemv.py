@@ -7,9 +7,9 @@ qwen3-30b-a3b`` the dense matrices of that MoE (qkv, o_proj, lm_head: its expert
 through the fused-MoE kernels), x of M rows in ``ROWS`` (or ``--rows``). Every figure
 is the time of one call inside a CUDA graph of ``CALLS_PER_GRAPH`` calls (launch gaps
 as a graphed decode step sees them, no host overhead), median over ``GRAPH_REPLAYS``
-replays. The calls cycle through enough
-copies of the weight that one cycle touches several times the L2 (or
-``MIN_BYTES_PER_CYCLE``), so every weight comes from HBM as in a real step.
+replays. The calls cycle through enough copies of the weight that one cycle touches
+several times the L2 (or ``MIN_BYTES_PER_CYCLE``), so every weight comes from HBM as in
+a real step.
 
 Reported per shape and M: µs per call and TB/s (weight bytes / time) for cuBLAS and
 each config, the error of each config against cuBLAS (configs beyond
