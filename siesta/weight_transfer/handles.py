@@ -91,13 +91,23 @@ class HandleOpener:
         self._cuda_used: set[tuple[Any, ...]] = set()
         self._uuid: tuple[int, str] | None = None
 
-    def open(self, handle: Any) -> torch.Tensor:
-        """A handle -> the tensor it shares (CUDA: typed as the trainer's; shm: flat bytes)."""
+    def open(self, handle: Any, checked: dict[str, os.stat_result] | None = None) -> torch.Tensor:
+        """A handle -> the tensor it shares (CUDA: typed as the trainer's; shm: flat bytes).
+
+        ``checked``: shared-memory files already found directly under /dev/shm, with their stat,
+        by earlier handles of the same update (``open_all``)."""
         if isinstance(handle, dict) and SHM_KEY in handle:
-            return self._open_shm(handle)
+            return self._open_shm(handle, {} if checked is None else checked)
         if self.device.type != "cuda":
             raise WeightTransferError("this engine runs on the CPU: send shared-memory handles, not CUDA ones")
         return self._open_cuda(handle)
+
+    def open_all(self, handles: list[Any]) -> list[torch.Tensor]:
+        """The handles of one update: each shared-memory file checked and stat'ed once (a
+        per-expert push names one file ~19k times; resolving its path each time took 0.8 s of a
+        1.9 s receive on this machine's CPU)."""
+        checked: dict[str, os.stat_result] = {}
+        return [self.open(h, checked) for h in handles]
 
     def _open_cuda(self, handle: Any) -> torch.Tensor:
         if not isinstance(handle, dict):
@@ -149,19 +159,16 @@ class HandleOpener:
         self._cuda = {k: v for k, v in self._cuda.items() if k in self._cuda_used}
         self._cuda_used = set()
 
-    def _open_shm(self, handle: dict[str, Any]) -> torch.Tensor:
+    def _open_shm(self, handle: dict[str, Any], checked: dict[str, os.stat_result]) -> torch.Tensor:
         path, offset, nbytes = handle.get(SHM_KEY), handle.get("offset", 0), handle.get("nbytes")
-        if not isinstance(path, str) or os.path.dirname(os.path.realpath(path)) != SHM_DIR:
-            raise WeightTransferError(f"a shared-memory handle names a file directly under {SHM_DIR}, got {brief(path)}")
+        st = checked.get(path) if isinstance(path, str) else None
+        if st is None:
+            st = checked[path] = self._shm_stat(path)
         for key, value in (("offset", offset), ("nbytes", nbytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise WeightTransferError(
                     f"a shared-memory handle's {brief(key)} must be a non-negative integer, got {brief(value)}"
                 )
-        try:
-            st = os.stat(path)
-        except OSError as e:
-            raise WeightTransferError(f"cannot open the shared-memory buffer {path}: {e.strerror}") from None
         if offset + nbytes > st.st_size:
             raise WeightTransferError(
                 f"the handle reaches byte {offset + nbytes} of {path}, which holds {st.st_size}: its sizes do not add up"
@@ -174,6 +181,16 @@ class HandleOpener:
             buffer = torch.from_file(path, shared=True, size=st.st_size, dtype=torch.uint8)
             self._shm[key] = buffer
         return buffer[offset : offset + nbytes]
+
+    @staticmethod
+    def _shm_stat(path: Any) -> os.stat_result:
+        """``path``'s stat, once it is found to be a file directly under /dev/shm."""
+        if not isinstance(path, str) or os.path.dirname(os.path.realpath(path)) != SHM_DIR:
+            raise WeightTransferError(f"a shared-memory handle names a file directly under {SHM_DIR}, got {brief(path)}")
+        try:
+            return os.stat(path)
+        except OSError as e:
+            raise WeightTransferError(f"cannot open the shared-memory buffer {path}: {e.strerror}") from None
 
     def close(self) -> None:
         self._shm.clear()

@@ -74,7 +74,9 @@ def _renamed(pairs: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
             embedding = tensor
         elif name == HEAD and embedding is not None and _same_memory(tensor, embedding):
             continue  # tied to the embedding: the engine ties them too
-        yield name, tensor.detach()
+        # Out of autograd (a module's parameters); a state dict's tensors are out already, and
+        # detaching ~19k of them each push cost 0.27 s under the profiler here.
+        yield name, tensor.detach() if tensor.requires_grad else tensor
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -210,7 +210,8 @@ class IpcReceiver(Receiver):
         if not isinstance(handles, list) or len(handles) != len(info.tensors):
             count = len(handles) if isinstance(handles, list) else type(handles).__name__
             raise WeightTransferError(f"ipc_handles must hold one handle per tensor ({len(info.tensors)}), got {count}")
-        accept([(meta, self._as_declared(meta, self.opener.open(h))) for meta, h in zip(info.tensors, handles)])
+        shared = self.opener.open_all(handles)
+        accept([(meta, self._as_declared(meta, tensor)) for meta, tensor in zip(info.tensors, shared)])
 
     def begin_update(self) -> None:
         self.opener.settle()  # the mappings the last update used stay open, the rest go

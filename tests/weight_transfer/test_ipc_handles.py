@@ -74,3 +74,18 @@ def test_shared_memory_handles_outside_dev_shm_or_past_the_end_are_refused(shm_f
 def test_a_cpu_engine_refuses_cuda_handles():
     with pytest.raises(WeightTransferError, match="runs on the CPU"):
         HandleOpener(torch.device("cpu")).open({"GPU-0": (1, 2)})
+
+
+def test_the_handles_of_one_update_check_each_file_once(shm_file, monkeypatch):
+    # A per-expert push names one file thousands of times: its path is resolved and stat'ed once.
+    path, data = shm_file
+    resolved = []
+    realpath = os.path.realpath
+    monkeypatch.setattr(os.path, "realpath", lambda p: resolved.append(p) or realpath(p))
+    opener = HandleOpener(torch.device("cpu"))
+    views = opener.open_all([shm_handle(path, 4 * i, 4) for i in range(16)])
+    assert resolved == [path]
+    assert torch.equal(torch.cat([v.view(torch.float32) for v in views]), data)
+    # The next update looks again: the file may have been made anew.
+    opener.open_all([shm_handle(path, 0, 4)])
+    assert resolved == [path, path]
