@@ -99,22 +99,24 @@ class Arm:
 SHUFFLE_TRIES = 64
 
 
-def resume_order(num_prompts: int, num_replicas: int, seed: int) -> list[int]:
+def resume_order(num_prompts: int, num_replicas: int, seed: int, ran_on: list[int] | None = None) -> list[int]:
     """The order the resumed requests are sent in: a shuffle that gives round robin no luck.
 
-    The warm-up goes in index order, so a round-robin gateway sends request ``i`` resumed at
-    position ``p`` back to the replica it ran on exactly when ``(p - i) mod replicas`` equals the
-    rotation the gateway's counter happens to be at (health checks and control calls move it).
-    A plain shuffle can put most requests on one residue, and round robin then "finds" the tier
-    by luck; of a few seeded shuffles this takes the one whose residues are most even, so every
-    rotation lands about 1/replicas of the requests where they ran."""
+    Request ``i`` ran on replica ``ran_on[i]`` (by default ``i``: the warm-up in index order), so
+    a round-robin gateway sends it, resumed at position ``p``, back there exactly when
+    ``(p - ran_on[i]) mod replicas`` equals the rotation the gateway's counter happens to be at
+    (health checks and control calls move it). A plain shuffle can put most requests on one
+    residue, and round robin then "finds" the tier by luck; of a few seeded shuffles this takes
+    the one whose residues are most even, so every rotation lands about 1/replicas of the
+    requests where they ran."""
+    ran_on = list(range(num_prompts)) if ran_on is None else ran_on
     rng = random.Random(seed)
     best: list[int] = []
     best_worst = num_prompts + 1
     for _ in range(SHUFFLE_TRIES):
         order = list(range(num_prompts))
         rng.shuffle(order)
-        residues = Counter((p - i) % num_replicas for p, i in enumerate(order))
+        residues = Counter((p - ran_on[i]) % num_replicas for p, i in enumerate(order))
         worst = max(residues.get(r, 0) for r in range(num_replicas))
         if worst < best_worst:
             best, best_worst = order, worst
@@ -135,9 +137,13 @@ def run_arm(arm: str, replicas: list[LocalReplica], num_prompts: int, prompt_len
         prompts = make_prompts(num_prompts, prompt_len, seed)
         rids = [f"{arm}-{i}" for i in range(num_prompts)]
         before = replica_metrics(urls)
-        with ThreadPoolExecutor(num_prompts) as pool:
-            outs = list(pool.map(lambda i: generate(gateway.url, prompts[i], rids[i], max_new_tokens),
-                                 range(num_prompts)))  # fmt: skip
+        ran_on = None
+        if policy == "round_robin" and not sticky:
+            outs, ran_on = _warm_one_at_a_time(gateway.url, urls, prompts, rids, max_new_tokens)
+        else:  # at once: a cache-aware gateway spreads what is in flight together
+            with ThreadPoolExecutor(num_prompts) as pool:
+                outs = list(pool.map(lambda i: generate(gateway.url, prompts[i], rids[i], max_new_tokens),
+                                     range(num_prompts)))  # fmt: skip
         warm = replica_metrics(urls)
         t0 = time.perf_counter()
         client.sleep(level=1, mode="keep", clear_connector_cache=False)
@@ -147,7 +153,7 @@ def run_arm(arm: str, replicas: list[LocalReplica], num_prompts: int, prompt_len
         # One at a time: a round-robin gateway then sees them in ``order`` (12 threads at once
         # arrived in whatever order the threads ran, and once lined ten of twelve up with the
         # warm-up's replicas: round robin "found" the tier by luck).
-        for i in resume_order(num_prompts, len(replicas), seed):
+        for i in resume_order(num_prompts, len(replicas), seed, ran_on):
             generate(gateway.url, resumed[i], rids[i], 1)
         after = replica_metrics(urls)
         client.close()
@@ -160,6 +166,20 @@ def run_arm(arm: str, replicas: list[LocalReplica], num_prompts: int, prompt_len
     return Arm(arm, policy, sticky, len(replicas), num_prompts, prompt_len, sum(warm_tokens), resumed_tokens,
                sum(hits), possible, sum(hits) / resumed_tokens, sum(hits) / possible, hits, warm_tokens,
                sleep_wake_s)  # fmt: skip
+
+
+def _warm_one_at_a_time(gateway_url: str, urls: list[str], prompts: list[list[int]], rids: list[str],
+                        max_new_tokens: int) -> tuple[list[dict[str, Any]], list[int]]:  # fmt: skip
+    """Each warm-up request alone, and the replica it ran on (whose prompt-token counter grew).
+    Twelve threads at once reached a round-robin gateway in any order, so the resume order,
+    balanced against index order, once lined nine of twelve up with where they ran."""
+    outs, ran_on = [], []
+    for prompt, rid in zip(prompts, rids):
+        before = [metric_sum(m, PROMPT_TOKENS) for m in replica_metrics(urls)]
+        outs.append(generate(gateway_url, prompt, rid, max_new_tokens))
+        grew = [metric_sum(m, PROMPT_TOKENS) - b for m, b in zip(replica_metrics(urls), before)]
+        ran_on.append(max(range(len(urls)), key=grew.__getitem__))
+    return outs, ran_on
 
 
 def start_replicas(count: int) -> list[LocalReplica]:
