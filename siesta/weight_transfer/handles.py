@@ -91,23 +91,25 @@ class HandleOpener:
         self._cuda_used: set[tuple[Any, ...]] = set()
         self._uuid: tuple[int, str] | None = None
 
-    def open(self, handle: Any, checked: dict[str, os.stat_result] | None = None) -> torch.Tensor:
-        """A handle -> the tensor it shares (CUDA: typed as the trainer's; shm: flat bytes).
-
-        ``checked``: shared-memory files already found directly under /dev/shm, with their stat,
-        by earlier handles of the same update (``open_all``)."""
-        if isinstance(handle, dict) and SHM_KEY in handle:
-            return self._open_shm(handle, {} if checked is None else checked)
-        if self.device.type != "cuda":
-            raise WeightTransferError("this engine runs on the CPU: send shared-memory handles, not CUDA ones")
-        return self._open_cuda(handle)
+    def open(self, handle: Any) -> torch.Tensor:
+        """A handle -> the tensor it shares (CUDA: typed as the trainer's; shm: flat bytes)."""
+        return self._open(handle, {})
 
     def open_all(self, handles: list[Any]) -> list[torch.Tensor]:
         """The handles of one update: each shared-memory file checked and stat'ed once (a
         per-expert push names one file ~19k times; resolving its path each time took 0.8 s of a
         1.9 s receive on this machine's CPU)."""
         checked: dict[str, os.stat_result] = {}
-        return [self.open(h, checked) for h in handles]
+        return [self._open(h, checked) for h in handles]
+
+    def _open(self, handle: Any, checked: dict[str, os.stat_result]) -> torch.Tensor:
+        """``checked``: the shared-memory files this update's handles found directly under
+        /dev/shm so far, with their stat."""
+        if isinstance(handle, dict) and SHM_KEY in handle:
+            return self._open_shm(handle, checked)
+        if self.device.type != "cuda":
+            raise WeightTransferError("this engine runs on the CPU: send shared-memory handles, not CUDA ones")
+        return self._open_cuda(handle)
 
     def _open_cuda(self, handle: Any) -> torch.Tensor:
         if not isinstance(handle, dict):
