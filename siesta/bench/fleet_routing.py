@@ -174,11 +174,11 @@ def _warm_one_at_a_time(gateway_url: str, urls: list[str], prompts: list[list[in
     Twelve threads at once reached a round-robin gateway in any order, so the resume order,
     balanced against index order, once lined nine of twelve up with where they ran."""
     outs, ran_on = [], []
+    tokens = [metric_sum(m, PROMPT_TOKENS) for m in replica_metrics(urls)]
     for prompt, rid in zip(prompts, rids):
-        before = [metric_sum(m, PROMPT_TOKENS) for m in replica_metrics(urls)]
         outs.append(generate(gateway_url, prompt, rid, max_new_tokens))
-        grew = [metric_sum(m, PROMPT_TOKENS) - b for m, b in zip(replica_metrics(urls), before)]
-        ran_on.append(max(range(len(urls)), key=grew.__getitem__))
+        before, tokens = tokens, [metric_sum(m, PROMPT_TOKENS) for m in replica_metrics(urls)]
+        ran_on.append(max(range(len(urls)), key=lambda r: tokens[r] - before[r]))
     return outs, ran_on
 
 
