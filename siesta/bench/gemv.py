@@ -75,10 +75,12 @@ LLAMA3_8B = (
     Shape("down", HIDDEN, 14336, LAYERS),
     Shape("lm_head", 128256, HIDDEN, 1),
 )
-# Qwen3-30B-A3B's dense matrices: q|k|v (32 + 2 * 4 heads of 128), o_proj (32 heads of 128 in).
+# Qwen3-30B-A3B's dense matrices: q|k|v (32 + 2 * 4 heads of 128), o_proj (32 heads of 128 in),
+# the router (128 experts' logits).
 QWEN3_30B_A3B = (
     Shape("qkv", 5120, MOE_HIDDEN, MOE_LAYERS),
     Shape("o_proj", MOE_HIDDEN, 4096, MOE_LAYERS),
+    Shape("router", 128, MOE_HIDDEN, MOE_LAYERS),
     Shape("lm_head", 151936, MOE_HIDDEN, 1),
 )
 MODELS = {"llama-3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
@@ -113,6 +115,12 @@ CANDIDATES = (
     _cfg(8, 512, 4, 3, split_k=2),
     _cfg(16, 256, 4, 4, split_k=2),
     _cfg(16, 512, 4, 3, split_k=4),
+    # Few outputs (a router's 128): narrow tiles, K split wide.
+    _cfg(2, 1024, 4, 2),
+    _cfg(4, 512, 4, 4),
+    _cfg(4, 512, 4, 3, split_k=4),
+    _cfg(8, 256, 4, 2, split_k=8),
+    _cfg(4, 256, 2, 2, split_k=8),
     # Tensor cores (tl.dot, x padded to 16 rows).
     _cfg(32, 256, 4, 4, dot=True),
     _cfg(32, 512, 4, 3, dot=True),

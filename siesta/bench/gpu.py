@@ -1157,6 +1157,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-check-tokens", type=int, default=4096)
     ap.add_argument("--moe-prefill-tiles", default=None,
                     help="moe: the prefill again with these large-prefill expert tiles (moe_tiles' syntax)")
+    ap.add_argument("--moe-profile-batches", type=lambda s: [int(b) for b in s.split(",")], default=[1],
+                    help="moe: the decode batches whose step kernels are profiled")
     ap.add_argument("--moe-parts", type=lambda s: s.split(","),
                     default=["sorted_small_batches", "library_prefill", "fidelity", "resume", "weight_transfer"],
                     help="moe: what runs after decode and prefill")

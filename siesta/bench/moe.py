@@ -170,7 +170,8 @@ def _engine_parts(args: argparse.Namespace, base: dict[str, Any], out: dict[str,
     llm = LLM(args.moe_model, **base, gpu_memory_utilization=0.85, max_num_batched_tokens=args.moe_prefill_tokens)
     out["decode"] = decode(llm, args.decode_batches, args.decode_context, args.decode_steps)
     log_part("moe", "decode", out["decode"])
-    run_part(out, "moe", "kernels_batch1", functools.partial(_step_kernels, llm, args.decode_context))
+    for batch in args.moe_profile_batches:
+        run_part(out, "moe", f"kernels_batch{batch}", functools.partial(_step_kernels, llm, batch, args.decode_context))
     out["prefill"] = prefill(llm, args.moe_prefill_tokens)
     log_part("moe", "prefill", out["prefill"])
     if args.moe_prefill_tiles:
@@ -282,10 +283,10 @@ def _prefill_tiles(llm, n: int, candidates: str, shipped: dict[str, Any]) -> dic
     return out
 
 
-def _step_kernels(llm, context: int) -> dict[str, Any]:
-    """A batch-1 decode step's kernels (launches, busy time, the costliest): where the step's time
-    goes beside the bytes the roofline counts."""
-    return engine_step_kernels(llm, 1, context)
+def _step_kernels(llm, batch: int, context: int) -> dict[str, Any]:
+    """A decode step's kernels (launches, busy time, the costliest): where the step's time goes
+    beside the bytes the roofline counts."""
+    return engine_step_kernels(llm, batch, context)
 
 
 def _resume(args: argparse.Namespace) -> dict[str, Any]:

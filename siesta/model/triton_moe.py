@@ -3,9 +3,10 @@
 1. ``align``: the step's (token, k) pairs sorted by expert, each expert's run padded to a
    multiple of the row tile ``BLOCK_M``, so every row tile belongs to one expert. Torch ops on
    the device with shapes fixed by the token count (a bound on the padding, not the padding
-   itself): no host read, so CUDA graphs capture it per bucket. Decode-sized steps place each
-   pair by a one-hot running count of its expert (about 15 launches), larger ones by a stable
-   sort (about 30); both give the same rows.
+   itself): no host read, so CUDA graphs capture it per bucket. Decode-sized steps (up to
+   ``ALIGN_KERNEL_MAX_PAIRS`` pairs) are placed by one Triton program (``triton_align``); the
+   torch paths place each pair by a one-hot running count of its expert (about 18 launches) or,
+   larger, by a stable sort (about 30). All three give the same rows.
 2. ``_gate_up_kernel``: per row tile and feature tile, the tile's tokens (gathered by pair) times
    its expert's gate rows and up rows, both accumulated in fp32 from one read of x, then
    ``silu(gate) * up``, stored at the tile's own rows (sorted order, padding rows zero).
@@ -54,7 +55,7 @@ import triton
 import triton.language as tl
 
 from siesta import pdl
-from siesta.model import batch_invariant, grouped_mm_moe
+from siesta.model import batch_invariant, grouped_mm_moe, triton_align
 from siesta.model.moe import sort_by_expert, sum_over_k
 from siesta.model.triton_matmul import persistent_programs, tma_ready
 
@@ -138,6 +139,9 @@ PAIR_PATH_MAX_TOKENS = 2
 # align: steps of up to this many (token, k) pairs place them by a one-hot running count
 # ([pairs, experts] int64: 2 MiB at 2,048 pairs and 128 experts), larger ones by a sort.
 ONE_HOT_MAX_PAIRS = 2048
+# align: steps of up to this many pairs are placed by one Triton program (``triton_align``)
+# instead of either torch path's launches.
+ALIGN_KERNEL_MAX_PAIRS = 2048
 PAIR_BLOCK_N = 16
 PAIR_BLOCK_K = 256
 PAIR_NUM_WARPS = 4
@@ -177,6 +181,11 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     pairs keep their order (a stable sort)."""
     flat = ids.reshape(-1).to(torch.int64)
     n, dev = flat.numel(), flat.device
+    # At most min(n, experts) experts have pairs, each padded by under a tile.
+    max_padded = n + min(n, num_experts) * (block_m - 1)
+    max_tiles = -(-max_padded // block_m)
+    if 0 < n <= ALIGN_KERNEL_MAX_PAIRS:
+        return Alignment(*triton_align.align_pairs(flat.contiguous(), num_experts, block_m, max_tiles))
     if 0 < n <= ONE_HOT_MAX_PAIRS:
         # Decode-sized steps: a running count per expert ([n, E]) gives every pair its place in
         # half the launches of a sort (each a graph node that costs ~2 us however small).
@@ -194,9 +203,6 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
         rank = torch.arange(n, device=dev) - first[experts_sorted]
         dest = (ends - padded)[experts_sorted] + rank
         sources = order.to(torch.int32)
-    # At most min(n, experts) experts have pairs, each padded by under a tile.
-    max_padded = n + min(n, num_experts) * (block_m - 1)
-    max_tiles = -(-max_padded // block_m)
     sorted_pairs = torch.full((max_tiles * block_m,), n, dtype=torch.int32, device=dev)
     sorted_pairs.scatter_(0, dest, sources)
     tile_starts = torch.arange(0, max_tiles * block_m, block_m, device=dev)

@@ -27,6 +27,10 @@ import triton.language as tl
 
 from siesta import pdl
 
+# Warps of a token's program: a row of 128 logits is 4 a thread on one warp, whose k rounds of
+# max-and-pick then reduce by shuffles alone; more warps add a shared-memory round trip to each.
+ROUTE_NUM_WARPS = 4
+
 
 @triton.jit
 def _route_kernel(
@@ -77,6 +81,6 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype)
         _route_kernel[(tokens,)](
             logits, weights, ids, experts, logits.stride(0),
             TOP_K=top_k, BLOCK_E=triton.next_power_of_2(experts), BLOCK_K=triton.next_power_of_2(top_k),
-            NORMALIZE=normalize, **pdl.launch(logits.device),
+            NORMALIZE=normalize, num_warps=ROUTE_NUM_WARPS, **pdl.launch(logits.device),
         )  # fmt: skip
     return weights, ids

@@ -239,11 +239,19 @@ ALIGN_CASES = [
 ]
 
 
-@pytest.fixture(params=["one-hot", "sort"])
+PLACEMENTS = ("kernel", "one-hot", "sort")
+
+
+def _place_by(monkeypatch: pytest.MonkeyPatch, placement: str) -> None:
+    monkeypatch.setattr(triton_moe, "ALIGN_KERNEL_MAX_PAIRS", 1 << 30 if placement == "kernel" else 0)
+    monkeypatch.setattr(triton_moe, "ONE_HOT_MAX_PAIRS", 1 << 30 if placement == "one-hot" else 0)
+
+
+@pytest.fixture(params=PLACEMENTS)
 def placement(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """``align`` places pairs by a one-hot running count up to ONE_HOT_MAX_PAIRS, by a sort past it:
-    each test runs both ways."""
-    monkeypatch.setattr(triton_moe, "ONE_HOT_MAX_PAIRS", 1 << 30 if request.param == "one-hot" else 0)
+    """``align`` places pairs by one Triton program up to ALIGN_KERNEL_MAX_PAIRS, else by a one-hot
+    running count up to ONE_HOT_MAX_PAIRS, by a sort past it: each test runs all three ways."""
+    _place_by(monkeypatch, request.param)
     return request.param
 
 
@@ -271,16 +279,17 @@ def test_align_random(tokens: int, top_k: int, experts: int, skew: bool, block_m
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 8, 128), (16, 8, 128), (300, 8, 128), (200, 2, 8), (60, 4, 300)])
 def test_both_placements_give_the_same_alignment(tokens: int, top_k: int, experts: int,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """The one-hot count and the stable sort put every pair in the same row: an expert's pairs in
-    their original order."""
+    """The Triton program, the one-hot count and the stable sort put every pair in the same row:
+    an expert's pairs in their original order."""
     _, ids = _routing(tokens, top_k, experts, torch.Generator().manual_seed(tokens))
     ids = ids.to(DEVICE)
     runs = []
-    for limit in (1 << 30, 0):
-        monkeypatch.setattr(triton_moe, "ONE_HOT_MAX_PAIRS", limit)
+    for placement in PLACEMENTS:
+        _place_by(monkeypatch, placement)
         runs.append(align(ids, experts, DECODE_TILES.block_m))
-    for name in ("sorted_pairs", "tile_expert", "num_padded"):
-        assert torch.equal(getattr(runs[0], name), getattr(runs[1], name)), name
+    for run in runs[1:]:
+        for name in ("sorted_pairs", "tile_expert", "num_padded"):
+            assert torch.equal(getattr(runs[0], name), getattr(run, name)), name
 
 
 def test_align_shapes_depend_on_token_count_only() -> None:

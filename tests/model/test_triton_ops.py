@@ -334,6 +334,23 @@ def test_qk_norm_rope_is_the_norms_then_the_rotation(dtype, num_tokens, q_heads,
     _assert_within_rotated_sum_error(k_out, k_three)
 
 
+@pytest.mark.parametrize("per_program", [1, 4, 8])
+def test_qk_norm_rope_split_over_programs_changes_no_bits(monkeypatch, per_program):
+    """q heads in groups of 1, 4 or 8 programs (9 heads: a ragged last group) give the bits of one
+    program for all of them: each head is its own norm."""
+    from siesta.model import triton_ops
+
+    gen = _gen(77)
+    rotary = RotaryEmbedding(64, MAX_POSITIONS, {"rope_type": "default", "rope_theta": 1e6}).to(DEVICE)
+    positions = torch.randint(0, MAX_POSITIONS, (3,), generator=gen).to(DEVICE)
+    q_weight, k_weight = _weight(64, torch.float16, gen), _weight(64, torch.float16, gen)
+    q, k, _ = _fused_qkv(3, 9, 3, 64, torch.float16, gen)
+    whole = qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, q_weight, k_weight, EPS, EPS)
+    monkeypatch.setattr(triton_ops, "QK_NORM_Q_HEADS_PER_PROGRAM", per_program)
+    split = qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, q_weight, k_weight, EPS, EPS)
+    assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
+
+
 def _assert_within_rotated_sum_error(out: torch.Tensor, ref: torch.Tensor) -> None:
     """``_assert_within_sum_error`` after a rotation: ``x cos - y sin`` cancels, so a norm a few
     ulp off shows as a few ulp of the row's scale (absolute), not of each element (relative)."""
