@@ -10,6 +10,7 @@ random weights, bf16) as the dense sections measure the 8B.
 - fidelity: the engine against a transformers trainer (its default init, pushed) per position
   bucket in units of the trainer's own bf16 floor, on a cut of the shape to ``--moe-check-layers``
   layers (transformers in fp32 holds the whole 30B in 122 GB); the router's top-k agreement;
+- knobs: decode A/B of the step's kernel choices on the shared engine (``moe_knobs``);
 - sorted_small_batches: decode at batch 1 (and 2) again on an engine whose experts always sort,
   against the per-pair kernels that serve those batches;
 - library_prefill: the prefill again with its experts on torch's grouped GEMM (``grouped_mm_moe``);
@@ -177,9 +178,15 @@ def _engine_parts(args: argparse.Namespace, base: dict[str, Any], out: dict[str,
     if args.moe_prefill_tiles:
         tiles = functools.partial(_prefill_tiles, llm, args.moe_prefill_tokens, args.moe_prefill_tiles, out["prefill"])
         run_part(out, "moe", "prefill_tiles", tiles)
+    batches = [b for b in args.decode_batches if b <= PDL_AB_MAX_BATCH]  # where launches weigh
     if "pdl" in args.moe_parts:
-        batches = [b for b in args.decode_batches if b <= PDL_AB_MAX_BATCH]  # where launches weigh
         run_part(out, "moe", "pdl", functools.partial(pdl_ab, llm, batches, args.decode_context, args.decode_steps))
+    if "knobs" in args.moe_parts:
+        from siesta.bench import moe_knobs
+
+        knobs = functools.partial(moe_knobs.run, llm, batches, args.decode_context, args.decode_steps,
+                                  candidates=moe_knobs.CANDIDATES)  # fmt: skip
+        run_part(out, "moe", "knobs", knobs)
 
 
 def pdl_ab(llm, batches: list[int], context: int, steps: int, rounds: int = PDL_AB_ROUNDS) -> dict[str, Any]:
@@ -361,6 +368,11 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
         if key.startswith("batch"):
             rows.append([f"MoE decode {key}: step without PDL / with", cell["off_over_on"],
                          f"best of {len(cell['step_ms']['on'])}: {cell['best_off_ms']:.2f} / {cell['best_on_ms']:.2f} ms"])  # fmt: skip
+    for key, cell in (res.get("knobs") or {}).items():
+        if key.startswith("batch"):
+            rows.extend([f"MoE decode {key}: knobs {name} / base", arm["base_over_arm"],
+                         f"best of {len(arm['step_ms'])}: {arm['best_ms']:.2f} ms"]
+                        for name, arm in cell.items() if name != "base")  # fmt: skip
     kernels = res.get("kernels_batch1") or {}
     if "launches" in kernels:
         rows.append(["MoE decode batch1 kernel launches a step", kernels["launches"],

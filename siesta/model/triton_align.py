@@ -9,7 +9,8 @@ them. One program does it all, in four passes over the pairs in chunks of ``BLOC
    sum of the counts padded to ``BLOCK_M``) and the padded total;
 2. each pair's row: its expert's first row, plus the pairs of that expert before it (the pairs
    of earlier chunks, carried, and of its own chunk, an exclusive scan of the one-hot chunk);
-3. the padding value (the pair count) into every row no pair took;
+3. the padding value (the pair count) into every row no pair took: each expert's last rows,
+   all at once, then the unused tiles past the padded total;
 4. each row tile's expert: the experts whose run ends at or before the tile's first row
    (``searchsorted(..., right=True)``), ``num_experts`` past the total.
 
@@ -59,12 +60,14 @@ def _align_kernel(
         tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=offs < n)
         running += tl.sum(hit, axis=0)
 
-    taken_end = starts + counts
-    for r0 in range(0, rows, BLOCK_P):
+    # Each expert's run is padded by under a tile: its padding rows at once, as [experts, BLOCK_M].
+    pad = (starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    empty = tl.zeros((BLOCK_E, BLOCK_M), dtype=tl.int32) + n
+    tl.store(sorted_ptr + pad, empty, mask=pad < ends[:, None])
+    total = tl.sum(padded, axis=0)
+    for r0 in range(total, rows, BLOCK_P):  # past the last run: whole tiles nobody uses
         r = r0 + chunk
-        inside = (r[:, None] >= starts[None, :]) & (r[:, None] < taken_end[None, :]) & real[None, :]
-        is_pair = tl.sum(inside.to(tl.int32), axis=1) > 0
-        tl.store(sorted_ptr + r, tl.zeros((BLOCK_P,), dtype=tl.int32) + n, mask=(r < rows) & ~is_pair)
+        tl.store(sorted_ptr + r, tl.zeros((BLOCK_P,), dtype=tl.int32) + n, mask=r < rows)
 
     tiles = rows // BLOCK_M
     for t0 in range(0, tiles, BLOCK_P):
@@ -72,7 +75,7 @@ def _align_kernel(
         first_row = t * BLOCK_M
         ended = (ends[None, :] <= first_row[:, None]) & real[None, :]
         tl.store(tile_expert_ptr + t, tl.sum(ended.to(tl.int32), axis=1), mask=t < tiles)
-    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    tl.store(num_padded_ptr, total)
 
 
 def align_pairs(

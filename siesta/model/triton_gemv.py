@@ -93,13 +93,22 @@ _FEW_ROWS_WIDE = GemvConfig(block_n=64, block_k=256, num_warps=4, num_stages=3, 
 _TUNED_ELEMENT_SIZE = 2
 
 
+# One-row configs of particular matrices, ``(n, k) -> config`` of 2-byte weights, ahead of the
+# rules below: a sweep's winners (``python -m siesta.bench.gemv --model ...``), which the moe
+# bench's ``knobs`` part A/Bs in a real decode step. Empty until a card has measured them.
+ONE_ROW_SHAPES: dict[tuple[int, int], GemvConfig] = {}
+
+
 def default_config(m: int, n: int, k: int, element_size: int = _TUNED_ELEMENT_SIZE) -> GemvConfig:
     """A good config for ``[m, k] @ [n, k].T``, picked from ``python -m siesta.bench.gemv`` on an H200.
 
     One row: the tl.sum path, pipelined 3 deep, on small tiles (many programs, long
-    K chunks). More rows: tensor cores on 64-row tiles. Split-K won no Llama-3-8B
-    shape once the loads were pipelined, so it is only used when asked for.
+    K chunks), unless ``ONE_ROW_SHAPES`` names the matrix. More rows: tensor cores on
+    64-row tiles. Split-K won no Llama-3-8B shape once the loads were pipelined, so it
+    is only used when asked for.
     """
+    if m <= 1 and element_size == _TUNED_ELEMENT_SIZE and (n, k) in ONE_ROW_SHAPES:
+        return ONE_ROW_SHAPES[(n, k)]
     if m <= 1:
         config = _ONE_ROW
     else:

@@ -3,8 +3,8 @@
 1. ``align``: the step's (token, k) pairs sorted by expert, each expert's run padded to a
    multiple of the row tile ``BLOCK_M``, so every row tile belongs to one expert. Torch ops on
    the device with shapes fixed by the token count (a bound on the padding, not the padding
-   itself): no host read, so CUDA graphs capture it per bucket. Decode-sized steps (up to
-   ``ALIGN_KERNEL_MAX_PAIRS`` pairs) are placed by one Triton program (``triton_align``); the
+   itself): no host read, so CUDA graphs capture it per bucket. Steps of up to
+   ``ALIGN_KERNEL_MAX_PAIRS`` pairs may be placed by one Triton program (``triton_align``); the
    torch paths place each pair by a one-hot running count of its expert (about 18 launches) or,
    larger, by a stable sort (about 30). All three give the same rows.
 2. ``_gate_up_kernel``: per row tile and feature tile, the tile's tokens (gathered by pair) times
@@ -140,8 +140,10 @@ PAIR_PATH_MAX_TOKENS = 2
 # ([pairs, experts] int64: 2 MiB at 2,048 pairs and 128 experts), larger ones by a sort.
 ONE_HOT_MAX_PAIRS = 2048
 # align: steps of up to this many pairs are placed by one Triton program (``triton_align``)
-# instead of either torch path's launches.
-ALIGN_KERNEL_MAX_PAIRS = 2048
+# instead of either torch path's launches. 0 (off) until a card has timed it in a decode step
+# (the moe bench's ``knobs`` part, arm ``align``): one program walks every pair four times, where
+# the launches it replaces each run wide.
+ALIGN_KERNEL_MAX_PAIRS = 0
 PAIR_BLOCK_N = 16
 PAIR_BLOCK_K = 256
 PAIR_NUM_WARPS = 4

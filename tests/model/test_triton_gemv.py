@@ -91,6 +91,19 @@ def test_default_config(m: int) -> None:
     _check(m, 48, 160, torch.float32, None, with_bias=True)
 
 
+def test_a_named_shape_takes_its_one_row_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ONE_ROW_SHAPES`` picks one matrix's config at one row of 2-byte weights, and only there."""
+    from siesta.model import triton_gemv
+
+    tuned = GemvConfig(block_n=4, block_k=64, num_warps=2, num_stages=2, split_k=2)
+    monkeypatch.setattr(triton_gemv, "ONE_ROW_SHAPES", {(40, 96): tuned})
+    assert default_config(1, 40, 96) == tuned
+    assert default_config(1, 40, 96, element_size=4) != tuned and default_config(2, 40, 96) != tuned
+    assert default_config(1, 48, 96) != tuned
+    x, w = _rand((1, 96), torch.float16, seed=3), _rand((40, 96), torch.float16, seed=4)
+    assert _relative_error(gemv(x, w), F.linear(x.float(), w.float())) <= TOLERANCE[torch.float16]
+
+
 def test_strided_rows() -> None:
     """Rows of x and W may be strided (views into wider buffers), as long as K is contiguous."""
     x = _rand((3, 100), torch.float32, seed=1)[:, :72]

@@ -1,0 +1,137 @@
+"""The ``moe`` section's ``knobs`` part: a mixture-of-experts decode step under each of its kernel
+choices, A/B on one engine.
+
+    bench/gpu.sh --sections moe --moe-parts knobs
+
+Each arm is a set of module settings (``Knobs``). The decode graphs are captured again at every
+switch (as ``moe.pdl_ab`` does), the arms run in turn ``rounds`` times (the machine's drift shows
+as spread within an arm), and each arm's best step is set against the base arm's:
+
+- ``base``: what ships;
+- ``align``: the step's pairs placed by one Triton program (``triton_align``), not torch's launches;
+- ``route1``: the router's tail on one warp (``triton_router.ROUTE_NUM_WARPS``);
+- ``qk8``: ``qk_norm_rope`` with 8 q heads a program (``triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM``);
+- ``gemv``: one-row GEMV configs per matrix (``triton_gemv.ONE_ROW_SHAPES``), each the winner of
+  a sweep of ``bench.gemv``'s candidates on this model's dense matrices, run here first;
+- ``all``: every one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from siesta.bench.gemv import CANDIDATES, Shape, bench_shape
+from siesta.bench.kernel_timing import weight_copies
+from siesta.model import triton_gemv, triton_moe, triton_ops, triton_router
+from siesta.model.triton_gemv import GemvConfig
+
+ROUNDS = 2
+# Module-level 2-D weights that a one-row decode step sends through the GEMV, by name's end.
+GEMV_WEIGHTS = ("qkv_proj.weight", "o_proj.weight", "gate.weight", "lm_head.weight", "gate_up_proj.weight",
+                "down_proj.weight")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Knobs:
+    align_max_pairs: int
+    route_warps: int
+    qk_heads: int | None
+    gemv_tuned: bool = False
+
+
+def shipped() -> Knobs:
+    return Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
+                 triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv_tuned=bool(triton_gemv.ONE_ROW_SHAPES))  # fmt: skip
+
+
+def arms(base: Knobs) -> dict[str, Knobs]:
+    align = triton_moe.ONE_HOT_MAX_PAIRS
+    return {
+        "base": base,
+        "align": replace(base, align_max_pairs=align),
+        "route1": replace(base, route_warps=1),
+        "qk8": replace(base, qk_heads=8),
+        "gemv": replace(base, gemv_tuned=True),
+        "all": Knobs(align, 1, 8, gemv_tuned=True),
+    }
+
+
+@contextlib.contextmanager
+def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig]) -> Iterator[None]:
+    """The modules set to ``knobs`` (tuned GEMV configs from ``tuned``), restored after."""
+    saved = (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
+             triton_gemv.ONE_ROW_SHAPES)  # fmt: skip
+    triton_moe.ALIGN_KERNEL_MAX_PAIRS = knobs.align_max_pairs
+    triton_router.ROUTE_NUM_WARPS = knobs.route_warps
+    triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
+    triton_gemv.ONE_ROW_SHAPES = dict(tuned) if knobs.gemv_tuned else {}
+    try:
+        yield
+    finally:
+        (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
+         triton_gemv.ONE_ROW_SHAPES) = saved  # fmt: skip
+
+
+def gemv_shapes(model: torch.nn.Module) -> list[Shape]:
+    """The model's distinct dense matrices a one-row step multiplies, each with its count."""
+    counts: dict[tuple[int, int], list[str]] = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and name.endswith(GEMV_WEIGHTS):
+            counts.setdefault(tuple(p.shape), []).append(name.rsplit(".", 2)[-2])
+    return [Shape(names[0], n, k, len(names)) for (n, k), names in counts.items()]
+
+
+def sweep(model: torch.nn.Module, candidates: tuple[GemvConfig, ...] = CANDIDATES) -> dict[str, Any]:
+    """``bench.gemv``'s sweep at one row over the model's dense matrices, in its dtype and on its
+    device: each matrix's times and its winner."""
+    weight = next(p for name, p in model.named_parameters() if name.endswith(GEMV_WEIGHTS))
+    out: dict[str, Any] = {"shapes": {}, "tuned": {}}
+    for shape in gemv_shapes(model):
+        nbytes = shape.n * shape.k * weight.element_size()
+        weights = [torch.randn((shape.n, shape.k), device=weight.device).mul_(shape.k**-0.5).to(weight.dtype)
+                   for _ in range(weight_copies(nbytes, weight.device))]  # fmt: skip
+        r = bench_shape(shape, 1, weights, candidates, weight.dtype)
+        del weights
+        out["shapes"][f"{shape.name} {shape.n}x{shape.k}"] = {
+            "per_step": shape.per_step, "cublas_us": r.cublas.us, "default_us": r.default.us if r.default else None,
+            "best_us": r.best.us if r.best else None, "best": r.best.config if r.best else None,
+        }  # fmt: skip
+        if r.best is not None:
+            out["tuned"][(shape.n, shape.k)] = GemvConfig(**r.best.config)
+    return out
+
+
+def run(llm, batches: list[int], context: int, steps: int, rounds: int = ROUNDS,
+        candidates: tuple[GemvConfig, ...] = CANDIDATES) -> dict[str, Any]:  # fmt: skip
+    """Every arm's decode step at ``batches``, alternated ``rounds`` times on ``llm``; the
+    shipped settings (and decode graphs) are back after."""
+    from siesta.bench.moe import decode
+
+    runner = llm.engine.runner
+    swept = sweep(runner.model, candidates)
+    tuned = swept.pop("tuned")
+    knobs = arms(shipped())
+    steps_ms: dict[str, dict[str, list[float]]] = {name: {} for name in knobs}
+    try:
+        for _ in range(rounds):
+            for name, arm in knobs.items():
+                with applied(arm, tuned):
+                    runner.recapture_graphs(decode_only=True)
+                    res = decode(llm, batches, context, steps)
+                for b in batches:
+                    if "step_ms" in res[f"batch{b}"]:
+                        steps_ms[name].setdefault(f"batch{b}", []).append(res[f"batch{b}"]["step_ms"])
+    finally:
+        runner.recapture_graphs(decode_only=True)
+    out: dict[str, Any] = {"gemv_sweep": swept, "tuned": {f"{n}x{k}": asdict(c) for (n, k), c in tuned.items()},
+                           "arms": {name: asdict(arm) for name, arm in knobs.items()}, "rounds": rounds}  # fmt: skip
+    for key, base in steps_ms["base"].items():
+        best_base = min(base)
+        out[key] = {name: {"step_ms": arm[key], "best_ms": min(arm[key]), "base_over_arm": best_base / min(arm[key])}
+                    for name, arm in steps_ms.items() if key in arm}  # fmt: skip
+    return out

@@ -1,0 +1,59 @@
+"""The ``knobs`` part of the GPU bench's ``moe`` section, on the CPU's tiny Qwen3-MoE: every arm
+timed at every batch against the base, the sweep's winners among its candidates, and the modules
+(and the engine's decode graphs) left as they were."""
+
+from __future__ import annotations
+
+import pytest
+
+import siesta
+from siesta.bench import gemv as gemv_bench
+from siesta.bench import moe_knobs
+from siesta.model import triton_gemv, triton_moe, triton_ops, triton_router
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = siesta.LLM("random:tiny-qwen3-moe", dtype="float32", max_model_len=256, device="cpu")
+    yield engine
+    del engine
+
+
+def test_gemv_shapes_are_the_dense_matrices(llm) -> None:
+    shape = llm.engine.runner.model.shape
+    shapes = {s.name: s for s in moe_knobs.gemv_shapes(llm.engine.runner.model)}
+    layers = shape.num_layers
+    assert shapes["qkv_proj"].per_step == layers and shapes["o_proj"].per_step == layers
+    assert shapes["gate"].n == shape.num_experts and shapes["gate"].per_step == len(shape.sparse_layers)
+    assert all(s.k in (shape.hidden_size, shape.num_heads * shape.head_dim) for s in shapes.values())
+
+
+def test_every_arm_is_timed_and_the_settings_come_back(llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = moe_knobs.shipped(), dict(triton_gemv.ONE_ROW_SHAPES)
+    recaptures: list[bool] = []
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "recapture_graphs", lambda decode_only=False: recaptures.append(decode_only))
+    seen: list[moe_knobs.Knobs] = []
+    real_decode = __import__("siesta.bench.moe", fromlist=["decode"]).decode
+
+    def decode(*a, **kw):
+        seen.append(moe_knobs.Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
+                                    triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, bool(triton_gemv.ONE_ROW_SHAPES)))  # fmt: skip
+        return real_decode(*a, **kw)
+
+    monkeypatch.setattr("siesta.bench.moe.decode", decode)
+    monkeypatch.setattr(moe_knobs, "GEMV_WEIGHTS", ("qkv_proj.weight", "gate.weight"))  # the interpreter is slow
+    out = moe_knobs.run(llm, [1, 2], 16, 2, rounds=1, candidates=gemv_bench.SMOKE_CANDIDATES)
+    arms = moe_knobs.arms(before[0])
+    assert seen == list(arms.values())  # each arm decoded under its own settings
+    assert recaptures == [True] * (len(arms) + 1)  # one a switch, one to go back
+    assert (moe_knobs.shipped(), triton_gemv.ONE_ROW_SHAPES) == before
+    for key in ("batch1", "batch2"):
+        assert set(out[key]) == set(arms)
+        assert out[key]["base"]["base_over_arm"] == 1.0
+        assert all(arm["best_ms"] > 0 and len(arm["step_ms"]) == 1 for arm in out[key].values())
+    # Each swept matrix's winner: a candidate, or the default it is timed beside (fp32: 4-byte elements).
+    assert len(out["tuned"]) == len(out["gemv_sweep"]["shapes"]) == 2
+    for key, config in out["tuned"].items():
+        n, k = map(int, key.split("x"))
+        assert triton_gemv.GemvConfig(**config) in (*gemv_bench.SMOKE_CANDIDATES, triton_gemv.default_config(1, n, k, 4))
