@@ -482,9 +482,10 @@ def _norm_rope_heads(
     BLOCK_HALF: tl.constexpr,
     MEAN_BY_DIVISION: tl.constexpr,
 ):
-    """One token's heads (``num_heads`` of them, at most BLOCK_H): ``_rms_norm_kernel``'s norm, then ``_rope_heads``' rotation, each
-    rounded as those kernels round; the norm's output never leaves registers. Its sum of squares
-    adds the two halves' sums, an order of its own (see the module's note on the sum)."""
+    """``num_heads`` (at most BLOCK_H) heads of one token: ``_rms_norm_kernel``'s norm, then
+    ``_rope_heads``' rotation, each rounded as those kernels round; the norm's output never leaves
+    registers. Its sum of squares adds the two halves' sums, an order of its own (see the
+    module's note on the sum)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     mask_d = offs_d < HALF

@@ -27,8 +27,10 @@ import triton.language as tl
 
 from siesta import pdl
 
-# Warps of a token's program: a row of 128 logits is 4 a thread on one warp, whose k rounds of
-# max-and-pick then reduce by shuffles alone; more warps add a shared-memory round trip to each.
+# Warps of a token's program. On one warp a row of 128 logits is 4 a thread and each of the k
+# rounds of max-and-pick reduces by shuffles alone, where more warps add a shared-memory round
+# trip to each; 4 (Triton's default, what runs 49-63 measured) until a card has timed 1 in a
+# decode step (the moe bench's ``knobs`` part, arm ``route1``).
 ROUTE_NUM_WARPS = 4
 
 
