@@ -368,6 +368,10 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
         if key.startswith("batch"):
             rows.append([f"MoE decode {key}: step without PDL / with", cell["off_over_on"],
                          f"best of {len(cell['step_ms']['on'])}: {cell['best_off_ms']:.2f} / {cell['best_on_ms']:.2f} ms"])  # fmt: skip
+    for shape, cell in ((res.get("knobs") or {}).get("gemv_sweep") or {}).get("shapes", {}).items():
+        if cell["best_us"] and cell["default_us"]:
+            rows.append([f"MoE one-row GEMV {shape}: default / best us", cell["default_us"] / cell["best_us"],
+                         f"{cell['default_us']:.1f} / {cell['best_us']:.1f} (cuBLAS {cell['cublas_us']:.1f})"])  # fmt: skip
     for key, cell in (res.get("knobs") or {}).items():
         if key.startswith("batch"):
             rows.extend([f"MoE decode {key}: knobs {name} / base", arm["base_over_arm"],

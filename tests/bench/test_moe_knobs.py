@@ -9,6 +9,7 @@ import pytest
 import siesta
 from siesta.bench import gemv as gemv_bench
 from siesta.bench import moe_knobs
+from siesta.bench.moe import summary_rows
 from siesta.model import triton_gemv, triton_moe, triton_ops, triton_router
 
 
@@ -57,3 +58,7 @@ def test_every_arm_is_timed_and_the_settings_come_back(llm, monkeypatch: pytest.
     for key, config in out["tuned"].items():
         n, k = map(int, key.split("x"))
         assert triton_gemv.GemvConfig(**config) in (*gemv_bench.SMOKE_CANDIDATES, triton_gemv.default_config(1, n, k, 4))
+    # The table's rows: each swept matrix, each arm but the base at each batch.
+    labels = [row[0] for row in summary_rows({"knobs": out})]
+    assert sum("one-row GEMV" in label for label in labels) == 2
+    assert sum("knobs" in label for label in labels) == 2 * (len(arms) - 1)
