@@ -42,7 +42,7 @@ from siesta import host_ints, pdl
 from siesta.attention import triton_kernels as kernels
 from siesta.attention import triton_tiles as tiling
 from siesta.attention.base import AttentionMetadata, KVCache
-from siesta.attention.kv_quant import dequantize, is_quantized
+from siesta.attention.kv_quant import FP8_GRIDS, dequantize, is_quantized
 from siesta.attention.triton_kv_write import write_kv_triton
 
 LOG2E = math.log2(math.e)
@@ -57,6 +57,12 @@ MIXED_DECODE_MIN_SPLITS: int | None = 4
 # H200, bf16, Llama-3-8B heads (TFLOP/s, Triton vs SDPA route): 1024 tokens 136 vs
 # 104, 2048 258 vs 332, 8192 394 vs 538. Re-measure with siesta/bench/attention.py.
 SDPA_PREFILL_MIN_TOKENS: int | None = 2048
+
+# Decode-only steps: the split kernel stores the new token's K/V itself (the program whose key
+# range holds it, before it reads it), one launch a layer fewer than the write kernel's (1.4 us
+# and its gap in a Qwen3-30B-A3B batch-1 step, H200 run 63a). Off until a card has timed it in a
+# decode step (the moe bench's ``knobs`` part, arm ``kv_fused``); the same cache bytes either way.
+FUSE_DECODE_KV_WRITE = False
 
 
 
@@ -207,7 +213,9 @@ class TritonAttention:
         """See ``AttentionBackend.forward``; ``out`` (q's shape) receives the result if given."""
         k_cache, v_cache = kv_cache.layer(layer_idx)
         scales = kv_cache.layer_scales(layer_idx)
-        write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, scales)
+        fused_write = FUSE_DECODE_KV_WRITE and meta.is_decode_only and meta.num_reqs > 0 and q.shape[0] > 0
+        if not fused_write:
+            write_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping, scales)
         if q.stride(-1) != 1:
             q = q.contiguous()
         if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
@@ -220,7 +228,7 @@ class TritonAttention:
             return self.sdpa_prefill(q, k, v, meta, scale, out)
         out = torch.empty_like(q) if out is None else out
         if meta.is_decode_only:
-            self.decode(q, k_cache, v_cache, meta, scale, out, scales=scales)
+            self.decode(q, k_cache, v_cache, meta, scale, out, scales=scales, new_kv=(k, v) if fused_write else None)
         else:
             self.mixed(q, k_cache, v_cache, meta, scale, out, scales=scales)
         return out
@@ -445,10 +453,12 @@ class TritonAttention:
         num_splits: int | None = None,
         scales: tuple[float, float] = UNIT_SCALES,
         tiles: tiling.Tiles | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """Decode rows (one query each): split-KV, then merge if split. Other rows are skipped.
         ``tiles``: other than the decode table's (deterministic mode's); ``block_m`` is then the
-        fewest query-head rows a program holds."""
+        fewest query-head rows a program holds. ``new_kv``: the rows' K and V, not yet in the
+        cache, which the split kernel stores at ``meta.slot_mapping`` before it reads them."""
         shapes = _shapes(q, k_cache)
         dtype = _compute_dtype(q, k_cache)
         block_h = _decode_block_h(shapes.group)
@@ -499,6 +509,7 @@ class TritonAttention:
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
             **pdl.launch(q.device),
+            **_fused_write_args(new_kv, meta.slot_mapping, k_cache.dtype),
         )
         if write_partials:
             _merge_splits(part_out, part_lse, out, meta, shapes, splits, per_token=False)
@@ -535,6 +546,20 @@ class TritonAttention:
         o = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k.to(q.dtype)), _heads_first(v.to(q.dtype)),
                                            is_causal=True, scale=scale, enable_gqa=True)  # fmt: skip
         return o.squeeze(0).transpose(0, 1)
+
+
+def _fused_write_args(new_kv: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor,
+                      cache_dtype: torch.dtype) -> dict:  # fmt: skip
+    """``decode_split_kernel``'s keyword arguments for the fused K/V write (none without one)."""
+    if new_kv is None:
+        return {}
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in new_kv)
+    grid = FP8_GRIDS[cache_dtype] if is_quantized(cache_dtype) else FP8_GRIDS[torch.float8_e4m3fn]
+    return {"k_new_ptr": k, "v_new_ptr": v, "slot_mapping_ptr": slots,
+            "stride_k_new_token": k.stride(0), "stride_k_new_head": k.stride(1),
+            "stride_v_new_token": v.stride(0), "stride_v_new_head": v.stride(1), "WRITE_KV": True,
+            "FP8_MANTISSA_BITS": grid.mantissa_bits, "FP8_MIN_EXPONENT": grid.min_exponent,
+            "FP8_MAX_VALUE": grid.max_value}  # fmt: skip
 
 
 class BatchInvariantTritonAttention(TritonAttention):

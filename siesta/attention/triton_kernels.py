@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from siesta import pdl
+from siesta.attention.triton_kv_write import store_token_head
 
 
 @triton.jit
@@ -527,6 +528,18 @@ def decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    # The fused write (WRITE_KV): the step's new K/V rows, their slots, and the fp8 grid.
+    k_new_ptr=None,
+    v_new_ptr=None,
+    slot_mapping_ptr=None,
+    stride_k_new_token=0,
+    stride_k_new_head=0,
+    stride_v_new_token=0,
+    stride_v_new_head=0,
+    WRITE_KV: tl.constexpr = False,
+    FP8_MANTISSA_BITS: tl.constexpr = 3,
+    FP8_MIN_EXPONENT: tl.constexpr = -6,
+    FP8_MAX_VALUE: tl.constexpr = 448.0,
 ):
     pdl.wait_for_previous_grid(USE_PDL)
     req = tl.program_id(0)
@@ -538,6 +551,19 @@ def decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     # Whole key tiles per split, so only a context's last tile is ragged.
     keys_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    if WRITE_KV:
+        # The program whose range holds the new token stores its K/V for this head, then reads
+        # it back with the rest: no other program reads that slot in this step (a block being
+        # filled belongs to its request alone). The barrier makes every thread's store visible
+        # to the loads after it.
+        if split == (seq_len - 1) // tl.maximum(keys_per_split, 1):
+            store_token_head(
+                k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, token, kv_head, k_scale, v_scale,
+                stride_k_new_token, stride_k_new_head, stride_v_new_token, stride_v_new_head,
+                stride_block, stride_slot, stride_head, HEAD_DIM, BLOCK_D, PAGE_SIZE, KV_FP8,
+                FP8_MANTISSA_BITS, FP8_MIN_EXPONENT, FP8_MAX_VALUE,
+            )  # fmt: skip
+            tl.debug_barrier()
     key_start = split * keys_per_split
     key_end = tl.minimum(key_start + keys_per_split, seq_len)
     table_row_ptr = block_tables_ptr + req.to(tl.int64) * stride_table

@@ -122,6 +122,32 @@ def _write_kv_kernel(
     tl.store(v_cache_ptr + dst, v_row.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def store_token_head(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, token, kv_head, k_scale, v_scale,
+    stride_k_token, stride_k_head, stride_v_token, stride_v_head, stride_cache_block, stride_cache_slot,
+    stride_cache_head, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, MAX_VALUE: tl.constexpr,
+):  # fmt: skip
+    """One head of one token's K and V into its cache slot (nothing for a negative slot): the
+    bytes ``_write_kv_kernel`` stores for that head, through the same quantization. For a kernel
+    that writes the token it is about to read (``decode_split_kernel``'s fused write)."""
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = offs_d < HEAD_DIM
+        row = token.to(tl.int64)
+        k_row = tl.load(k_ptr + row * stride_k_token + kv_head * stride_k_head + offs_d, mask=mask)
+        v_row = tl.load(v_ptr + row * stride_v_token + kv_head * stride_v_head + offs_d, mask=mask)
+        if QUANTIZE:
+            k_row = _quantize(k_row, k_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_VALUE)
+            v_row = _quantize(v_row, v_scale, MANTISSA_BITS, MIN_EXPONENT, MAX_VALUE)
+        dst = (slot // PAGE_SIZE) * stride_cache_block + (slot % PAGE_SIZE) * stride_cache_slot
+        dst += kv_head * stride_cache_head + offs_d
+        tl.store(k_cache_ptr + dst, k_row.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v_row.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """Kernels index ``head_dim`` with unit stride (that is what lets loads vectorize)."""
     return x if x.stride(-1) == 1 else x.contiguous()

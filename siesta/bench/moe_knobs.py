@@ -13,6 +13,8 @@ as spread within an arm), and each arm's best step is set against the base arm's
 - ``qk8``: ``qk_norm_rope`` with 8 q heads a program (``triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM``);
 - ``gemv``: one-row GEMV configs per matrix (``triton_gemv.ONE_ROW_SHAPES``), each the winner of
   a sweep of ``bench.gemv``'s candidates on this model's dense matrices, run here first;
+- ``kv_fused``: decode steps' K/V stored by the split attention kernel, not a write kernel
+  (``triton_attention.FUSE_DECODE_KV_WRITE``);
 - ``all``: every one of them.
 """
 
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from siesta.attention import triton_attention
 from siesta.bench.gemv import CANDIDATES, Shape, bench_shape
 from siesta.bench.kernel_timing import weight_copies
 from siesta.model import triton_gemv, triton_moe, triton_ops, triton_router
@@ -42,11 +45,13 @@ class Knobs:
     route_warps: int
     qk_heads: int | None
     gemv_tuned: bool = False
+    kv_fused: bool = False
 
 
 def shipped() -> Knobs:
     return Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
-                 triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv_tuned=bool(triton_gemv.ONE_ROW_SHAPES))  # fmt: skip
+                 triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv_tuned=bool(triton_gemv.ONE_ROW_SHAPES),
+                 kv_fused=triton_attention.FUSE_DECODE_KV_WRITE)  # fmt: skip
 
 
 def arms(base: Knobs) -> dict[str, Knobs]:
@@ -57,7 +62,8 @@ def arms(base: Knobs) -> dict[str, Knobs]:
         "route1": replace(base, route_warps=1),
         "qk8": replace(base, qk_heads=8),
         "gemv": replace(base, gemv_tuned=True),
-        "all": Knobs(align, 1, 8, gemv_tuned=True),
+        "kv_fused": replace(base, kv_fused=True),
+        "all": Knobs(align, 1, 8, gemv_tuned=True, kv_fused=True),
     }
 
 
@@ -65,16 +71,17 @@ def arms(base: Knobs) -> dict[str, Knobs]:
 def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig]) -> Iterator[None]:
     """The modules set to ``knobs`` (tuned GEMV configs from ``tuned``), restored after."""
     saved = (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
-             triton_gemv.ONE_ROW_SHAPES)  # fmt: skip
+             triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE)  # fmt: skip
     triton_moe.ALIGN_KERNEL_MAX_PAIRS = knobs.align_max_pairs
     triton_router.ROUTE_NUM_WARPS = knobs.route_warps
     triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
     triton_gemv.ONE_ROW_SHAPES = dict(tuned) if knobs.gemv_tuned else {}
+    triton_attention.FUSE_DECODE_KV_WRITE = knobs.kv_fused
     try:
         yield
     finally:
         (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
-         triton_gemv.ONE_ROW_SHAPES) = saved  # fmt: skip
+         triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE) = saved  # fmt: skip
 
 
 def gemv_shapes(model: torch.nn.Module) -> list[Shape]:

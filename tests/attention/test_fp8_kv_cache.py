@@ -319,3 +319,24 @@ def test_half_precision_decode_over_fp8_takes_its_own_key_step_and_is_float64_at
     out = torch.full_like(q, float("nan"))
     TritonAttention(decode_splits=2).forward(q, k, v, cache, LAYER, meta, 128**-0.5, out=out)
     assert rel_error(out, dense(q, meta, contexts, 128**-0.5)) < TOLERANCE[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_a_decode_step_that_writes_its_kv_in_the_split_kernel_stores_the_same_fp8_bytes(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``FUSE_DECODE_KV_WRITE`` over an fp8 cache: the split kernel quantizes the new K/V as the
+    write kernel does (the same bytes in every block), and reads back what it stored."""
+    from siesta.attention import triton_attention
+
+    specs = [(300, 1), (15, 1), (0, 1), (130, 1)]
+    runs = []
+    for fused in (False, True):
+        q, k, v, cache, meta, contexts = batch(specs, group=2, head_dim=64, block=16, compute=torch.float16,
+                                               dtype=dtype, seed=23)  # fmt: skip
+        monkeypatch.setattr(triton_attention, "FUSE_DECODE_KV_WRITE", fused)
+        out = torch.full_like(q, float("nan"))
+        TritonAttention(decode_splits=4).forward(q, k, v, cache, LAYER, meta, 64**-0.5, out=out)
+        assert rel_error(out, dense(q, meta, contexts, 64**-0.5)) < TOLERANCE[torch.float16]
+        runs.append((cache.tensor.view(torch.uint8).clone(), out))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

@@ -529,3 +529,29 @@ def _decode_rows(batch: Batch, req: int):
         max_query_len=1, max_seq_len=max(seq_lens), query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=seq_lens,
     )  # fmt: skip
     return batch.q[starts[req] : starts[req + 1]], meta
+
+
+@pytest.mark.parametrize("num_splits", [1, 4, None])
+@pytest.mark.parametrize("block_size,head_dim,group,dtype", [(16, 128, 4, torch.float16), (32, 64, 2, torch.float32)])
+def test_a_decode_step_that_writes_its_kv_in_the_split_kernel(num_splits, block_size, head_dim, group, dtype,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``FUSE_DECODE_KV_WRITE``: the split kernel stores the new K/V before it reads them. The
+    cache then holds the write kernel's bytes (every layer, every block), the output is the
+    oracles', and a padding row (slot -1) writes nothing."""
+    from siesta.attention import triton_attention
+
+    specs = [(0, 1), (5, 1), (block_size - 1, 1), (block_size, 1), (130, 1)]
+    caches, outs = [], []
+    for fused in (False, True):
+        batch = make_batch(specs, group, head_dim, block_size, dtype, seed=19)
+        batch.meta.slot_mapping[1] = -1  # a padding row: its slot stays as it was
+        before = batch.kv_cache.tensor.clone()
+        monkeypatch.setattr(triton_attention, "FUSE_DECODE_KV_WRITE", fused)
+        out = poisoned_like(batch.q)
+        TritonAttention(decode_splits=num_splits).forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER,
+                                                          batch.meta, batch.scale, out=out)  # fmt: skip
+        caches.append(batch.kv_cache.tensor.clone())
+        outs.append(out)
+        assert not torch.equal(caches[-1], before)  # the other rows were written
+    assert torch.equal(caches[0], caches[1])
+    assert torch.equal(outs[0][[0, 2, 3, 4]], outs[1][[0, 2, 3, 4]])
