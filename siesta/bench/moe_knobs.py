@@ -34,7 +34,7 @@ from siesta.model import triton_gemv, triton_moe, triton_ops, triton_router
 from siesta.model.triton_gemv import GemvConfig
 
 ROUNDS = 2
-# Module-level 2-D weights that a one-row decode step sends through the GEMV, by name's end.
+# The 2-D weights a one-row decode step sends through the GEMV, by the end of their names.
 GEMV_WEIGHTS = ("qkv_proj.weight", "o_proj.weight", "gate.weight", "lm_head.weight", "gate_up_proj.weight",
                 "down_proj.weight")  # fmt: skip
 
