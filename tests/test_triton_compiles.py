@@ -27,12 +27,14 @@ if not os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
     pytest.skip("records launches through the interpreter (CPU runs); a GPU compiles them anyway",
                 allow_module_level=True)  # fmt: skip
 
+from siesta.attention import triton_attention  # noqa: E402
 from siesta.attention.base import AttentionMetadata, KVCache  # noqa: E402
 from siesta.attention.triton_attention import TritonAttention  # noqa: E402
-from siesta.model import triton_matmul, triton_ops  # noqa: E402
+from siesta.model import triton_align, triton_gemv, triton_matmul, triton_ops, triton_router  # noqa: E402
 
 KERNEL_MODULES = ("siesta.attention.triton_kernels", "siesta.attention.triton_kv_write", "siesta.model.triton_ops",
-                  "siesta.model.triton_matmul")  # fmt: skip
+                  "siesta.model.triton_matmul", "siesta.model.triton_align", "siesta.model.triton_router",
+                  "siesta.model.triton_gemv")  # fmt: skip
 # Host choices that differ on CUDA from a CPU call: compile what the GPU runs.
 CUDA_CONSTEXPRS = {"MEAN_BY_DIVISION": False, "USE_LIBDEVICE": True}
 TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size
@@ -122,6 +124,14 @@ def _call_every_attention_kernel(dtype: torch.dtype, kv_dtype: torch.dtype) -> N
     ):
         q, k, v, cache, meta = _batch(specs, dtype, kv_dtype)
         backend.forward(q, k, v, cache, 0, meta, HEAD_DIM**-0.5)
+    # Decode-only steps whose split kernel stores the new K/V itself, unsplit and split.
+    triton_attention.FUSE_DECODE_KV_WRITE = True
+    try:
+        for backend in (TritonAttention(decode_splits=1), TritonAttention()):
+            q, k, v, cache, meta = _batch(decode, dtype, kv_dtype)
+            backend.forward(q, k, v, cache, 0, meta, HEAD_DIM**-0.5)
+    finally:
+        triton_attention.FUSE_DECODE_KV_WRITE = False
 
 
 def _call_every_kernel(dtype: torch.dtype) -> None:
@@ -135,6 +145,29 @@ def _call_every_kernel(dtype: torch.dtype) -> None:
     cos = torch.empty(64, HEAD_DIM, dtype=torch.float32)
     triton_ops.apply_rope(torch.empty(4, HEADS, HEAD_DIM, dtype=dtype), torch.empty(4, KV_HEADS, HEAD_DIM, dtype=dtype),
                           torch.zeros(4, dtype=torch.int64), cos, cos.clone())  # fmt: skip
+    # Qwen3's q/k norm and rotation: all q heads in one program, and split over programs.
+    for per_program in (None, 8):
+        triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = per_program
+        try:
+            triton_ops.qk_norm_rope(torch.empty(4, HEADS, HEAD_DIM, dtype=dtype),
+                                    torch.empty(4, KV_HEADS, HEAD_DIM, dtype=dtype), torch.zeros(4, dtype=torch.int64),
+                                    cos, cos.clone(), torch.empty(HEAD_DIM, dtype=dtype),
+                                    torch.empty(HEAD_DIM, dtype=dtype), 1e-6, 1e-6)  # fmt: skip
+        finally:
+            triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = None
+    # A decode step's MoE pieces (Qwen3-30B-A3B: 128 experts, top 8): the router's tail on 4 warps
+    # and on 1, the pairs' placement at 64 tokens, the one-row GEMV and its split-K merge.
+    logits = torch.empty(64, 128, dtype=dtype)
+    for warps in (4, 1):
+        triton_router.ROUTE_NUM_WARPS = warps
+        try:
+            triton_router.route(logits, 8, True, dtype)
+        finally:
+            triton_router.ROUTE_NUM_WARPS = 4
+    triton_align.align_pairs(torch.zeros(64 * 8, dtype=torch.int64), 128, 16, 64 * 8 // 16 + 128)
+    x1, router = torch.empty(1, 2048, dtype=dtype), torch.empty(128, 2048, dtype=dtype)
+    triton_gemv.gemv(x1, router)
+    triton_gemv.gemv(x1, router, config=triton_gemv.GemvConfig(4, 512, 4, 3, split_k=4))
     # Deterministic mode's GEMM: K a multiple of the chunk without bias (o_proj), and neither (a ragged K, q/k/v bias).
     triton_matmul.matmul(torch.empty(4, 4096, dtype=dtype), torch.empty(4096, 4096, dtype=dtype))
     ragged = torch.empty(300, 1000, dtype=dtype)
@@ -171,7 +204,8 @@ def test_every_kernel_compiles_for_sm90(launches: list[dict]) -> None:
     names = {launch["name"] for launch in launches}
     expected = {"unified_kernel", "prefill_split_kernel", "decode_split_kernel", "reduce_splits_kernel",
                 "_write_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel",
-                "_matmul_kernel"}  # fmt: skip
+                "_matmul_kernel", "_qk_norm_rope_kernel", "_route_kernel", "_align_kernel", "_gemv_kernel",
+                "_split_k_reduce_kernel"}  # fmt: skip
     assert expected <= names, f"not launched: {expected - names}"
     unique = list({json.dumps(launch, sort_keys=True): launch for launch in launches}.values())
     env = os.environ | {"TRITON_INTERPRET": "0"}

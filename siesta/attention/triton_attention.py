@@ -496,6 +496,7 @@ class TritonAttention:
             stride_slot,
             stride_head,
             meta.block_tables.stride(0),
+            *_fused_write_args(new_kv, q, meta.slot_mapping),
             NUM_Q_HEADS=shapes.num_q_heads,
             HEAD_DIM=shapes.head_dim,
             BLOCK_D=shapes.block_d,
@@ -505,11 +506,12 @@ class TritonAttention:
             PAGE_SIZE=k_cache.shape[1],
             WRITE_PARTIALS=write_partials,
             DOT_PRECISION=_dot_precision(dtype),
+            WRITE_KV=new_kv is not None,
+            **_fp8_grid_args(k_cache.dtype),
             KV_FP8=is_quantized(k_cache.dtype),
             num_warps=tiles.num_warps,
             num_stages=tiles.num_stages,
             **pdl.launch(q.device),
-            **_fused_write_args(new_kv, meta.slot_mapping, k_cache.dtype),
         )
         if write_partials:
             _merge_splits(part_out, part_lse, out, meta, shapes, splits, per_token=False)
@@ -548,17 +550,18 @@ class TritonAttention:
         return o.squeeze(0).transpose(0, 1)
 
 
-def _fused_write_args(new_kv: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor,
-                      cache_dtype: torch.dtype) -> dict:  # fmt: skip
-    """``decode_split_kernel``'s keyword arguments for the fused K/V write (none without one)."""
-    if new_kv is None:
-        return {}
-    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in new_kv)
+def _fused_write_args(new_kv: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor,
+                      slots: torch.Tensor) -> tuple:  # fmt: skip
+    """``decode_split_kernel``'s pointers and strides of the fused K/V write: the new rows', or,
+    without a write (never read then), q's in their place."""
+    k, v = (q, q) if new_kv is None else (x if x.stride(-1) == 1 else x.contiguous() for x in new_kv)
+    return k, v, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1)
+
+
+def _fp8_grid_args(cache_dtype: torch.dtype) -> dict[str, int | float]:
+    """The cache's fp8 grid as the write's constexprs (e4m3's for a cache that is not fp8: unused)."""
     grid = FP8_GRIDS[cache_dtype] if is_quantized(cache_dtype) else FP8_GRIDS[torch.float8_e4m3fn]
-    return {"k_new_ptr": k, "v_new_ptr": v, "slot_mapping_ptr": slots,
-            "stride_k_new_token": k.stride(0), "stride_k_new_head": k.stride(1),
-            "stride_v_new_token": v.stride(0), "stride_v_new_head": v.stride(1), "WRITE_KV": True,
-            "FP8_MANTISSA_BITS": grid.mantissa_bits, "FP8_MIN_EXPONENT": grid.min_exponent,
+    return {"FP8_MANTISSA_BITS": grid.mantissa_bits, "FP8_MIN_EXPONENT": grid.min_exponent,
             "FP8_MAX_VALUE": grid.max_value}  # fmt: skip
 
 

@@ -517,6 +517,14 @@ def decode_split_kernel(
     stride_slot,
     stride_head,
     stride_table,
+    # The fused write (read only under WRITE_KV): the step's new K/V rows and their slots.
+    k_new_ptr,
+    v_new_ptr,
+    slot_mapping_ptr,
+    stride_k_new_token,
+    stride_k_new_head,
+    stride_v_new_token,
+    stride_v_new_head,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -526,20 +534,12 @@ def decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WRITE_KV: tl.constexpr,
+    FP8_MANTISSA_BITS: tl.constexpr,  # the cache's fp8 grid, for the fused write's quantization
+    FP8_MIN_EXPONENT: tl.constexpr,
+    FP8_MAX_VALUE: tl.constexpr,
     KV_FP8: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
-    # The fused write (WRITE_KV): the step's new K/V rows, their slots, and the fp8 grid.
-    k_new_ptr=None,
-    v_new_ptr=None,
-    slot_mapping_ptr=None,
-    stride_k_new_token=0,
-    stride_k_new_head=0,
-    stride_v_new_token=0,
-    stride_v_new_head=0,
-    WRITE_KV: tl.constexpr = False,
-    FP8_MANTISSA_BITS: tl.constexpr = 3,
-    FP8_MIN_EXPONENT: tl.constexpr = -6,
-    FP8_MAX_VALUE: tl.constexpr = 448.0,
 ):
     pdl.wait_for_previous_grid(USE_PDL)
     req = tl.program_id(0)
