@@ -65,7 +65,6 @@ SDPA_PREFILL_MIN_TOKENS: int | None = 2048
 FUSE_DECODE_KV_WRITE = False
 
 
-
 def _scratch(meta: AttentionMetadata, key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """An fp32 buffer the step's layers share: they run one after another on one stream. Under
     CUDA-graph capture each layer takes its own from the graph's pool, since a buffer cached at
