@@ -221,12 +221,15 @@ def _joined_ahead(llm) -> list[str]:
     return joined
 
 
-def _timed_forwards(llm) -> tuple[list[float], list[tuple[float, float]]]:
+def _timed_forwards(llm) -> tuple[list[float], list[tuple[float, float]], list[tuple[Any, Any]]]:
     """From now on, wall seconds of each model step (synchronized), to tell compute from
-    waiting, and per step the seconds spent issuing tier copies and in the forward."""
+    waiting, per step the seconds spent issuing tier copies and in the forward, and on CUDA a
+    pair of events around each forward on its stream (``_device_ms``): under async scheduling
+    the host times above are not the device's."""
     runner = llm.engine.runner
     times: list[float] = []
     parts: list[tuple[float, float]] = []
+    events: list[tuple[Any, Any]] = []
     plain, forward = runner.launch, runner._forward
     spent = {"copies": 0.0, "forward": 0.0}
 
@@ -244,7 +247,20 @@ def _timed_forwards(llm) -> tuple[list[float], list[tuple[float, float]]]:
     if connector is not None:
         connector.run_loads = timed(connector.run_loads, "copies")
         connector.run_stores = timed(connector.run_stores, "copies")
-    runner._forward = timed(forward, "forward")
+    timed_forward = timed(forward, "forward")
+
+    def forward_with_events(*a):
+        if not torch.cuda.is_available():
+            return timed_forward(*a)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        try:
+            return timed_forward(*a)
+        finally:
+            end.record()
+            events.append((begin, end))
+
+    runner._forward = forward_with_events
 
     def launch(sched, prev=None, peers=None):
         spent.update(copies=0.0, forward=0.0)
@@ -259,7 +275,18 @@ def _timed_forwards(llm) -> tuple[list[float], list[tuple[float, float]]]:
         return result
 
     runner.launch = launch
-    return times, parts
+    return times, parts, events
+
+
+def _device_ms(events: list[tuple[Any, Any]]) -> dict[str, list[float]]:
+    """Each forward's device time (its events' span: the stream waits it holds, for tier loads
+    a step joined ahead of, included) and its start after the first forward's, in ms."""
+    if not events:
+        return {"forward_ms": [], "start_ms": []}
+    events[-1][1].synchronize()
+    first = events[0][0]
+    return {"forward_ms": [round(b.elapsed_time(e), 3) for b, e in events],
+            "start_ms": [round(first.elapsed_time(b), 3) for b, _ in events]}  # fmt: skip
 
 
 def resume(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,7 +303,7 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
     kv_per_token = llm.engine.runner.kv_cache.block_bytes // llm.config.cache.block_size
     arms = {}
     runner = llm.engine.runner
-    forwards, parts = _timed_forwards(llm)
+    forwards, parts, events = _timed_forwards(llm)
     piecewise, whole = runner.piecewise, runner.mixed_graphs
     # Both arms with the engine's defaults, then more of the kept tier: without async
     # scheduling, with steps that have prefill rows run eagerly, with those steps all in
@@ -302,6 +329,7 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         variants = _triton_variants()
         forwards.clear()
         parts.clear()
+        events.clear()
         runner.piecewise = piecewise if pieces else None
         runner.mixed_graphs = whole if whole_steps else None
         sched_cfg.async_scheduling, sched_cfg.join_loads_ahead = run_ahead, join_ahead
@@ -314,6 +342,7 @@ def resume(args: argparse.Namespace) -> dict[str, Any]:
         arms[name]["triton_variants_compiled"] = _triton_variants() - variants
         arms[name]["forward_s"] = list(forwards)  # warm-up's and replay's steps
         arms[name]["copies_forward_s"] = list(parts)
+        arms[name]["device"] = _device_ms(events)  # the same steps on the device's clock
         arms[name]["joined_ahead"] = len(joined)  # over the warm-up and every replay
     runner.piecewise, runner.mixed_graphs = piecewise, whole
     sched_cfg.async_scheduling, sched_cfg.join_loads_ahead = default_async, default_join

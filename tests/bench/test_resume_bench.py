@@ -58,6 +58,7 @@ def test_resume_section_runs_on_the_cpu_and_reports_the_floor_from_counted_bytes
     assert res["speedup_p50"] == pytest.approx(res["cleared"]["replay_p50_s"] / res["kept"]["replay_p50_s"])
     rows = {row[0]: row for row in gpu.summary({"resume": res})}
     assert rows["resume kept p50 / ordered-load floor p50"][1] == res["kept_p50_over_floor"]
+    assert res["kept"]["device"] == {"forward_ms": [], "start_ms": []}  # no CUDA events on the CPU
 
 
 def test_kept_replays_each_load_the_prompts_again_and_report_the_link_while_loading() -> None:
@@ -104,3 +105,23 @@ def _check_timeline(timeline: dict, latencies: list[float]) -> None:
     assert landed == sorted(landed)
     steps = timeline["steps"]
     assert timeline["adds_done_s"] <= steps[0][0] and all(a <= b for a, b in steps)
+
+
+def test_device_times_are_each_forwards_span_and_its_start_after_the_first() -> None:
+    """``_device_ms`` on stand-in events at known times (ms): what the resume arms report as the
+    device's own step timeline (none on the CPU)."""
+
+    class At:
+        def __init__(self, ms: float) -> None:
+            self.ms, self.synced = ms, False
+
+        def elapsed_time(self, later: "At") -> float:
+            return later.ms - self.ms
+
+        def synchronize(self) -> None:
+            self.synced = True
+
+    events = [(At(10.0), At(35.5)), (At(36.0), At(44.25)), (At(60.0), At(61.0))]
+    assert gpu._device_ms(events) == {"forward_ms": [25.5, 8.25, 1.0], "start_ms": [0.0, 26.0, 50.0]}
+    assert events[-1][1].synced  # read once the last forward is done
+    assert gpu._device_ms([]) == {"forward_ms": [], "start_ms": []}
