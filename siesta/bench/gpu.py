@@ -250,8 +250,6 @@ def _timed_forwards(llm) -> tuple[list[float], list[tuple[float, float]], list[t
     timed_forward = timed(forward, "forward")
 
     def forward_with_events(*a):
-        if not torch.cuda.is_available():
-            return timed_forward(*a)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         try:
@@ -260,7 +258,7 @@ def _timed_forwards(llm) -> tuple[list[float], list[tuple[float, float]], list[t
             end.record()
             events.append((begin, end))
 
-    runner._forward = forward_with_events
+    runner._forward = forward_with_events if torch.cuda.is_available() else timed_forward
 
     def launch(sched, prev=None, peers=None):
         spent.update(copies=0.0, forward=0.0)

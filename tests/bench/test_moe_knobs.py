@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 
 import siesta
-from siesta.attention import triton_attention
 from siesta.bench import gemv as gemv_bench
 from siesta.bench import moe_knobs
 from siesta.bench.moe import summary_rows
-from siesta.model import triton_gemv, triton_moe, triton_ops, triton_router
+from siesta.model import triton_gemv
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +38,7 @@ def test_every_arm_is_timed_and_the_settings_come_back(llm, monkeypatch: pytest.
     real_decode = __import__("siesta.bench.moe", fromlist=["decode"]).decode
 
     def decode(*a, **kw):
-        seen.append(moe_knobs.Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
-                                    triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, bool(triton_gemv.ONE_ROW_SHAPES),
-                                    triton_attention.FUSE_DECODE_KV_WRITE))  # fmt: skip
+        seen.append(moe_knobs.shipped())  # the modules' settings as this decode runs
         return real_decode(*a, **kw)
 
     monkeypatch.setattr("siesta.bench.moe.decode", decode)
