@@ -42,8 +42,8 @@ from siesta import host_ints, pdl
 from siesta.attention import triton_kernels as kernels
 from siesta.attention import triton_tiles as tiling
 from siesta.attention.base import AttentionMetadata, KVCache
-from siesta.attention.kv_quant import FP8_GRIDS, dequantize, is_quantized
-from siesta.attention.triton_kv_write import write_kv_triton
+from siesta.attention.kv_quant import dequantize, is_quantized
+from siesta.attention.triton_kv_write import quantization_grid, write_kv_triton
 
 LOG2E = math.log2(math.e)
 # The K and V scales of a cache that is not quantized (the kernels ignore them).
@@ -558,8 +558,8 @@ def _fused_write_args(new_kv: tuple[torch.Tensor, torch.Tensor] | None, q: torch
 
 
 def _fp8_grid_args(cache_dtype: torch.dtype) -> dict[str, int | float]:
-    """The cache's fp8 grid as the write's constexprs (e4m3's for a cache that is not fp8: unused)."""
-    grid = FP8_GRIDS[cache_dtype] if is_quantized(cache_dtype) else FP8_GRIDS[torch.float8_e4m3fn]
+    """The cache's fp8 grid as the fused write's constexprs."""
+    grid = quantization_grid(cache_dtype)
     return {"FP8_MANTISSA_BITS": grid.mantissa_bits, "FP8_MIN_EXPONENT": grid.min_exponent,
             "FP8_MAX_VALUE": grid.max_value}  # fmt: skip
 

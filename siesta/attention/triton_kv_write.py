@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from siesta import host_ints, pdl
-from siesta.attention.kv_quant import FP8_GRIDS, is_quantized
+from siesta.attention.kv_quant import FP8_GRIDS, Fp8Grid, is_quantized
 
 # One warp per 256 elements: 32 threads x 8 half-precision elements, one 16-byte
 # access each, so a token's heads are spread over just enough warps.
@@ -148,6 +148,12 @@ def store_token_head(
         tl.store(v_cache_ptr + dst, v_row.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def quantization_grid(cache_dtype: torch.dtype) -> Fp8Grid:
+    """The fp8 grid a cache of ``cache_dtype`` is written on; e4m3's for a cache that is not fp8
+    (the kernels' grid constexprs need values, which they then never read)."""
+    return FP8_GRIDS[cache_dtype] if is_quantized(cache_dtype) else FP8_GRIDS[torch.float8_e4m3fn]
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """Kernels index ``head_dim`` with unit stride (that is what lets loads vectorize)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -181,7 +187,7 @@ def write_kv_triton(
     block_d = host_ints.next_power_of_2(head_dim)
     num_warps = row_num_warps(block_h * block_d)
     quantized = is_quantized(k_cache.dtype)
-    grid = FP8_GRIDS[k_cache.dtype] if quantized else FP8_GRIDS[torch.float8_e4m3fn]  # unused unless quantized
+    grid = quantization_grid(k_cache.dtype)
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
