@@ -547,11 +547,16 @@ def test_a_decode_step_that_writes_its_kv_in_the_split_kernel(num_splits, block_
         batch.meta.slot_mapping[1] = -1  # a padding row: its slot stays as it was
         before = batch.kv_cache.tensor.clone()
         monkeypatch.setattr(triton_attention, "FUSE_DECODE_KV_WRITE", fused)
+        # the fused step must store K/V without the write kernel, or the knob did nothing
+        write_calls = []
+        write = triton_attention.write_kv_triton
+        monkeypatch.setattr(triton_attention, "write_kv_triton", lambda *a: (write_calls.append(1), write(*a)))
         out = poisoned_like(batch.q)
         TritonAttention(decode_splits=num_splits).forward(batch.q, batch.k, batch.v, batch.kv_cache, LAYER,
                                                           batch.meta, batch.scale, out=out)  # fmt: skip
         caches.append(batch.kv_cache.tensor.clone())
         outs.append(out)
         assert not torch.equal(caches[-1], before)  # the other rows were written
+        assert len(write_calls) == (0 if fused else 1)
     assert torch.equal(caches[0], caches[1])
     assert torch.equal(outs[0][[0, 2, 3, 4]], outs[1][[0, 2, 3, 4]])

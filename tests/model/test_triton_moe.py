@@ -292,6 +292,19 @@ def test_both_placements_give_the_same_alignment(tokens: int, top_k: int, expert
             assert torch.equal(getattr(runs[0], name), getattr(run, name)), name
 
 
+def test_each_placement_takes_its_own_path(placement: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The knobs choose the path: the Triton program only where ``placement`` names it, the sort
+    only past the one-hot's limit (so the equality tests above compare three real paths)."""
+    from siesta.model import triton_align
+
+    calls = []
+    program, sort = triton_align.align_pairs, triton_moe.sort_by_expert
+    monkeypatch.setattr(triton_align, "align_pairs", lambda *a: (calls.append("kernel"), program(*a))[1])
+    monkeypatch.setattr(triton_moe, "sort_by_expert", lambda *a: (calls.append("sort"), sort(*a))[1])
+    align(torch.tensor([[3, 1], [1, 0]], device=DEVICE), 4, 16)
+    assert calls == {"kernel": ["kernel"], "one-hot": [], "sort": ["sort"]}[placement]
+
+
 def test_align_shapes_depend_on_token_count_only() -> None:
     """Two routings of the same step size, one spread over all experts, one on two of them:
     the same buffers, so one captured graph serves both."""

@@ -347,7 +347,17 @@ def test_qk_norm_rope_split_over_programs_changes_no_bits(monkeypatch, per_progr
     q, k, _ = _fused_qkv(3, 9, 3, 64, torch.float16, gen)
     whole = qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, q_weight, k_weight, EPS, EPS)
     monkeypatch.setattr(triton_ops, "QK_NORM_Q_HEADS_PER_PROGRAM", per_program)
+    grids = []
+    kernel = triton_ops._qk_norm_rope_kernel
+
+    class Recorded:  # the launch's grid, so a knob that changed nothing fails
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_ops, "_qk_norm_rope_kernel", Recorded())
     split = qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, q_weight, k_weight, EPS, EPS)
+    assert grids == [(3, -(-9 // per_program) + 1)]  # q groups, then one program for the k heads
     assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
 
 
