@@ -335,8 +335,11 @@ def test_a_decode_step_that_writes_its_kv_in_the_split_kernel_stores_the_same_fp
         q, k, v, cache, meta, contexts = batch(specs, group=2, head_dim=64, block=16, compute=torch.float16,
                                                dtype=dtype, seed=23)  # fmt: skip
         monkeypatch.setattr(triton_attention, "FUSE_DECODE_KV_WRITE", fused)
+        write_calls, write = [], triton_attention.write_kv_triton
+        monkeypatch.setattr(triton_attention, "write_kv_triton", lambda *a: (write_calls.append(1), write(*a)))
         out = torch.full_like(q, float("nan"))
         TritonAttention(decode_splits=4).forward(q, k, v, cache, LAYER, meta, 64**-0.5, out=out)
+        assert len(write_calls) == (0 if fused else 1)  # the fused step stored K/V itself
         assert rel_error(out, dense(q, meta, contexts, 64**-0.5)) < TOLERANCE[torch.float16]
         runs.append((cache.tensor.view(torch.uint8).clone(), out))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
