@@ -10,6 +10,7 @@ import os
 import random
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from siesta.c_kernels import isa_features
 from siesta.cpu_info import cpu_model
 
+ERROR_FRAMES = 4  # of a failed part's traceback, into its record
 # Token ids below this are left out of random prompts: they are the special tokens of most vocabularies.
 _FIRST_ORDINARY_TOKEN = 100
 
@@ -126,7 +128,9 @@ def run_part(out: dict[str, Any], section: str, name: str, step: Callable[[], An
     try:
         out[name] = step()
     except Exception as e:  # noqa: BLE001 - one part's failure is reported, the rest still run
-        out[name] = {"error": f"{type(e).__name__}: {e}"}
+        # the innermost frames say where (an error message such as a failed capture's does not)
+        frames = traceback.format_tb(e.__traceback__)[-ERROR_FRAMES:]
+        out[name] = {"error": f"{type(e).__name__}: {e}", "where": "".join(frames)}
     out[f"{name}_s"] = time.perf_counter() - t0
     log_part(section, name, out[name])
     release_memory()

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from siesta.core.host_backup import CAPTURE_LOCK
+
 GRAPH_REPLAYS = 5
 SMOKE_REPS = 2
 # One cycle through the weight copies must touch this many times the L2, and at least
@@ -47,7 +49,9 @@ def _time_cuda(call: Callable[[int], object], copies: int, calls_per_graph: int)
         call(i)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # A live engine's host backup pins memory while the device is quiet, which invalidates a
+    # capture in global mode (the moe knobs sweep, H100 run 64a): it waits for this one.
+    with CAPTURE_LOCK, torch.cuda.graph(graph):
         for i in range(calls_per_graph):
             call(i % copies)
     graph.replay()  # the first replay uploads the graph

@@ -21,6 +21,7 @@ as spread within an arm), and each arm's best step is set against the base arm's
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -124,19 +125,27 @@ def run(llm, batches: list[int], context: int, steps: int, rounds: int = ROUNDS,
     tuned = swept.pop("tuned")
     knobs = arms(shipped())
     steps_ms: dict[str, dict[str, list[float]]] = {name: {} for name in knobs}
+    errors: dict[str, str] = {}
     try:
         for _ in range(rounds):
             for name, arm in knobs.items():
-                with applied(arm, tuned):
-                    runner.recapture_graphs(decode_only=True)
-                    res = decode(llm, batches, context, steps)
+                if name in errors:
+                    continue
+                try:
+                    with applied(arm, tuned):
+                        runner.recapture_graphs(decode_only=True)
+                        res = decode(llm, batches, context, steps)
+                except Exception as e:  # noqa: BLE001 - one arm's failure is reported, the others still run
+                    errors[name] = f"{type(e).__name__}: {e} at {traceback.format_tb(e.__traceback__)[-1].strip()}"
+                    continue
                 for b in batches:
                     if "step_ms" in res[f"batch{b}"]:
                         steps_ms[name].setdefault(f"batch{b}", []).append(res[f"batch{b}"]["step_ms"])
     finally:
         runner.recapture_graphs(decode_only=True)
     out: dict[str, Any] = {"gemv_sweep": swept, "tuned": {f"{n}x{k}": asdict(c) for (n, k), c in tuned.items()},
-                           "arms": {name: asdict(arm) for name, arm in knobs.items()}, "rounds": rounds}  # fmt: skip
+                           "arms": {name: asdict(arm) for name, arm in knobs.items()}, "rounds": rounds,
+                           "errors": errors}  # fmt: skip
     for key, base in steps_ms["base"].items():
         best_base = min(base)
         out[key] = {name: {"step_ms": arm[key], "best_ms": min(arm[key]), "base_over_arm": best_base / min(arm[key])}

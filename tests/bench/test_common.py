@@ -63,3 +63,16 @@ def test_a_table_without_rows_prints_its_headers(capsys) -> None:
 
     print_table("t", ["measure", "value"], [])
     assert capsys.readouterr().out.splitlines()[-2:] == ["measure  value", "-------  -----"]
+
+
+def test_a_failed_part_is_recorded_with_where_it_failed_and_the_next_part_runs() -> None:
+    out: dict = {}
+
+    def inner() -> None:
+        raise RuntimeError("operation failed during capture")
+
+    common.run_part(out, "demo", "broken", lambda: inner())
+    common.run_part(out, "demo", "fine", lambda: {"ok": 1})
+    assert out["broken"]["error"] == "RuntimeError: operation failed during capture"
+    assert "in inner" in out["broken"]["where"]  # the frame that raised, not only the message
+    assert out["fine"] == {"ok": 1} and out["broken_s"] >= 0

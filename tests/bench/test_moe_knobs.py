@@ -61,3 +61,24 @@ def test_every_arm_is_timed_and_the_settings_come_back(llm, monkeypatch: pytest.
     labels = [row[0] for row in summary_rows({"knobs": out})]
     assert sum("one-row GEMV" in label for label in labels) == 2
     assert sum("knobs" in label for label in labels) == 2 * (len(arms) - 1)
+
+
+def test_an_arm_that_fails_is_recorded_and_the_others_still_run(llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture that fails under one arm's settings (as under a pinning thread) costs that arm,
+    not the part: its error says where, and the base is still set against the rest."""
+    runner = llm.engine.runner
+    monkeypatch.setattr(runner, "recapture_graphs", lambda decode_only=False: None)
+    real_decode = __import__("siesta.bench.moe", fromlist=["decode"]).decode
+
+    def decode(*a, **kw):
+        if moe_knobs.shipped().route_warps == 1:
+            raise RuntimeError("capture invalidated")
+        return real_decode(*a, **kw)
+
+    monkeypatch.setattr("siesta.bench.moe.decode", decode)
+    monkeypatch.setattr(moe_knobs, "GEMV_WEIGHTS", ("gate.weight",))
+    out = moe_knobs.run(llm, [1], 16, 2, rounds=2, candidates=gemv_bench.SMOKE_CANDIDATES[:1])
+    assert set(out["errors"]) == {"route1", "all"}  # the two arms with one-warp routing
+    assert out["errors"]["route1"].startswith("RuntimeError: capture invalidated at File")
+    assert set(out["batch1"]) == set(moe_knobs.arms(moe_knobs.shipped())) - {"route1", "all"}
+    assert all(len(arm["step_ms"]) == 2 for arm in out["batch1"].values())
