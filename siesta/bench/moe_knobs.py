@@ -121,6 +121,9 @@ def run(llm, batches: list[int], context: int, steps: int, rounds: int = ROUNDS,
     from siesta.bench.moe import decode
 
     runner = llm.engine.runner
+    # The sleep backup pins while the device is quiet, and pinning holds the driver's lock that
+    # every launch waits for: done first, so no arm (nor the sweep) is timed beside it.
+    llm.engine.memory.backup.settle()
     swept = sweep(runner.model, candidates)
     tuned = swept.pop("tuned")
     knobs = arms(shipped())
