@@ -15,6 +15,8 @@ as spread within an arm), and each arm's best step is set against the base arm's
   a sweep of ``bench.gemv``'s candidates on this model's dense matrices, run here first;
 - ``kv_fused``: decode steps' K/V stored by the split attention kernel, not a write kernel
   (``triton_attention.FUSE_DECODE_KV_WRITE``);
+- ``down8``: the one- and two-token down-and-sum kernel on 8-feature tiles, twice the programs
+  (``triton_moe.DOWN_SUM_BLOCK_N``);
 - ``all``: every one of them.
 """
 
@@ -35,6 +37,7 @@ from siesta.model import triton_gemv, triton_moe, triton_ops, triton_router
 from siesta.model.triton_gemv import GemvConfig
 
 ROUNDS = 2
+DOWN8 = 8  # the ``down8`` arm's down-and-sum feature tile
 # The 2-D weights a one-row decode step sends through the GEMV, by the end of their names.
 GEMV_WEIGHTS = ("qkv_proj.weight", "o_proj.weight", "gate.weight", "lm_head.weight", "gate_up_proj.weight",
                 "down_proj.weight")  # fmt: skip
@@ -47,12 +50,13 @@ class Knobs:
     qk_heads: int | None
     gemv_tuned: bool = False
     kv_fused: bool = False
+    down_block_n: int = triton_moe.PAIR_BLOCK_N
 
 
 def shipped() -> Knobs:
     return Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
                  triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv_tuned=bool(triton_gemv.ONE_ROW_SHAPES),
-                 kv_fused=triton_attention.FUSE_DECODE_KV_WRITE)  # fmt: skip
+                 kv_fused=triton_attention.FUSE_DECODE_KV_WRITE, down_block_n=triton_moe.DOWN_SUM_BLOCK_N)  # fmt: skip
 
 
 def arms(base: Knobs) -> dict[str, Knobs]:
@@ -64,7 +68,8 @@ def arms(base: Knobs) -> dict[str, Knobs]:
         "qk8": replace(base, qk_heads=8),
         "gemv": replace(base, gemv_tuned=True),
         "kv_fused": replace(base, kv_fused=True),
-        "all": Knobs(align, 1, 8, gemv_tuned=True, kv_fused=True),
+        "down8": replace(base, down_block_n=DOWN8),
+        "all": Knobs(align, 1, 8, gemv_tuned=True, kv_fused=True, down_block_n=DOWN8),
     }
 
 
@@ -72,17 +77,18 @@ def arms(base: Knobs) -> dict[str, Knobs]:
 def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig]) -> Iterator[None]:
     """The modules set to ``knobs`` (tuned GEMV configs from ``tuned``), restored after."""
     saved = (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
-             triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE)  # fmt: skip
+             triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.DOWN_SUM_BLOCK_N)  # fmt: skip
     triton_moe.ALIGN_KERNEL_MAX_PAIRS = knobs.align_max_pairs
     triton_router.ROUTE_NUM_WARPS = knobs.route_warps
     triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
     triton_gemv.ONE_ROW_SHAPES = dict(tuned) if knobs.gemv_tuned else {}
     triton_attention.FUSE_DECODE_KV_WRITE = knobs.kv_fused
+    triton_moe.DOWN_SUM_BLOCK_N = knobs.down_block_n
     try:
         yield
     finally:
         (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
-         triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE) = saved  # fmt: skip
+         triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.DOWN_SUM_BLOCK_N) = saved  # fmt: skip
 
 
 def gemv_shapes(model: torch.nn.Module) -> list[Shape]:

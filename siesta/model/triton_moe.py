@@ -151,6 +151,9 @@ PAIR_NUM_WARPS = 4
 # tile: 128 for Qwen3-30B-A3B on 132 SMs), so each keeps one stage more of loads in flight.
 PAIR_NUM_STAGES = 3
 DOWN_SUM_NUM_STAGES = PAIR_NUM_STAGES + 1
+# Its feature tile: 8 doubles the programs (two an SM at one token) with the same bytes each in
+# flight, as the moe bench's ``knobs`` arm ``down8`` times; PAIR_BLOCK_N until a card has.
+DOWN_SUM_BLOCK_N = PAIR_BLOCK_N
 
 
 def tiles_for(num_pairs: int, num_experts: int) -> MoeTiles:
@@ -324,10 +327,10 @@ def _fused_moe_pairs(
         NUM_STAGES=PAIR_NUM_STAGES, num_warps=PAIR_NUM_WARPS, **pdl.launch(x.device),
     )  # fmt: skip
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    _down_sum_kernel[(t, triton.cdiv(hidden, PAIR_BLOCK_N))](
+    _down_sum_kernel[(t, triton.cdiv(hidden, DOWN_SUM_BLOCK_N))](
         act, down, flat_ids, flat_weights, out, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        TOP_K=k, BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, EVEN_K=inter % PAIR_BLOCK_K == 0,
+        TOP_K=k, BLOCK_N=DOWN_SUM_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, EVEN_K=inter % PAIR_BLOCK_K == 0,
         NUM_STAGES=DOWN_SUM_NUM_STAGES, num_warps=PAIR_NUM_WARPS, **pdl.launch(x.device),
     )  # fmt: skip
     return out

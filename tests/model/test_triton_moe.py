@@ -529,6 +529,26 @@ def test_one_or_two_tokens_take_the_pair_kernels(case: Case) -> None:
     _assert_close(out, experts_reference(x, weights, ids, gate_up, down), FP32_TOL)
 
 
+@pytest.mark.parametrize("block_n", [8, 32])
+def test_the_down_sum_tile_is_a_knob(block_n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DOWN_SUM_BLOCK_N``: the down-and-sum kernel's grid follows it, and the oracle's result
+    holds at any tile (H of no tile's multiple: a ragged last one)."""
+    case = Case(2, 8, 16, 200, 80)
+    x, weights, ids, gate_up, down = _inputs(case, torch.float32)
+    monkeypatch.setattr(triton_moe, "DOWN_SUM_BLOCK_N", block_n)
+    grids, kernel = [], triton_moe._down_sum_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_moe, "_down_sum_kernel", Recorded())
+    out = _fused(x, weights, ids, gate_up, down)
+    assert grids == [(2, -(-200 // block_n))]
+    _assert_close(out, _oracle(x, weights, ids, gate_up, down), FP32_TOL)
+
+
 def test_the_pair_path_is_for_few_tokens_in_the_default_mode_only(monkeypatch: pytest.MonkeyPatch) -> None:
     case = Case(1, 2, 8, 64, 32)
     x, weights, ids, gate_up, down = _inputs(case, torch.float32)
