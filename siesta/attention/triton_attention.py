@@ -60,9 +60,9 @@ SDPA_PREFILL_MIN_TOKENS: int | None = 2048
 
 # Decode-only steps: the split kernel stores the new token's K/V itself (the program whose key
 # range holds it, before it reads it), one launch a layer fewer than the write kernel's (1.4 us
-# and its gap in a Qwen3-30B-A3B batch-1 step, H200 run 63a). Off until a card has timed it in a
-# decode step (the moe bench's ``knobs`` part, arm ``kv_fused``); the same cache bytes either way.
-FUSE_DECODE_KV_WRITE = False
+# and its gap in a Qwen3-30B-A3B batch-1 step, H200 run 63a): that step 1.02x (H100 run 64b, the
+# moe bench's ``knobs`` arm ``kv_fused``), 1.00x at 16 and 64; the same cache bytes either way.
+FUSE_DECODE_KV_WRITE = True
 
 
 def _scratch(meta: AttentionMetadata, key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -5,19 +5,24 @@ choices, A/B on one engine.
 
 Each arm is a set of module settings (``Knobs``). The decode graphs are captured again at every
 switch (as ``moe.pdl_ab`` does), the arms run in turn ``rounds`` times (the machine's drift shows
-as spread within an arm), and each arm's best step is set against the base arm's:
+as spread within an arm), and each arm's best step is set against the base arm's. H100 run 64b
+timed each choice turned on alone and all together; they now ship, so each arm but the last
+takes one of them back (``base_over_arm`` under 1: that choice helps on this card):
 
 - ``base``: what ships;
-- ``align``: the step's pairs placed by one Triton program (``triton_align``), not torch's launches;
-- ``route1``: the router's tail on one warp (``triton_router.ROUTE_NUM_WARPS``);
-- ``qk8``: ``qk_norm_rope`` with 8 q heads a program (``triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM``);
-- ``gemv``: one-row GEMV configs per matrix (``triton_gemv.ONE_ROW_SHAPES``), each the winner of
-  a sweep of ``bench.gemv``'s candidates on this model's dense matrices, run here first;
-- ``kv_fused``: decode steps' K/V stored by the split attention kernel, not a write kernel
+- ``no_align``: the pairs placed by torch's launches, not one Triton program (``triton_align``,
+  ``triton_moe.ALIGN_KERNEL_MAX_PAIRS``);
+- ``route4``: the router's tail on 4 warps, not 1 (``triton_router.ROUTE_NUM_WARPS``);
+- ``qk_whole``: ``qk_norm_rope``'s q heads in one program, not 8 a program
+  (``triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM``);
+- ``no_gemv_table``: no per-matrix one-row GEMV configs (``triton_gemv.ONE_ROW_SHAPES``);
+- ``swept_gemv``: that table replaced by this card's winners of a sweep of ``bench.gemv``'s
+  candidates over the model's dense matrices, run here first;
+- ``kv_write``: decode steps' K/V stored by the write kernel, not by the split attention kernel
   (``triton_attention.FUSE_DECODE_KV_WRITE``);
 - ``down8``: the one- and two-token down-and-sum kernel on 8-feature tiles, twice the programs
-  (``triton_moe.DOWN_SUM_BLOCK_N``);
-- ``all``: every one of them.
+  (``triton_moe.DOWN_SUM_BLOCK_N``; no gain in run 64b);
+- ``before``: every choice as before run 64b.
 """
 
 from __future__ import annotations
@@ -48,28 +53,33 @@ class Knobs:
     align_max_pairs: int
     route_warps: int
     qk_heads: int | None
-    gemv_tuned: bool = False
+    gemv: str = "shipped"  # ONE_ROW_SHAPES: "shipped", "swept" (this card's winners) or "none"
     kv_fused: bool = False
     down_block_n: int = triton_moe.PAIR_BLOCK_N
 
 
+# Every choice as it was before H100 run 64b turned the winners on.
+BEFORE = Knobs(align_max_pairs=0, route_warps=4, qk_heads=None, gemv="none", kv_fused=False,
+               down_block_n=triton_moe.PAIR_BLOCK_N)  # fmt: skip
+
+
 def shipped() -> Knobs:
     return Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
-                 triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv_tuned=bool(triton_gemv.ONE_ROW_SHAPES),
+                 triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv="shipped",
                  kv_fused=triton_attention.FUSE_DECODE_KV_WRITE, down_block_n=triton_moe.DOWN_SUM_BLOCK_N)  # fmt: skip
 
 
 def arms(base: Knobs) -> dict[str, Knobs]:
-    align = triton_moe.ONE_HOT_MAX_PAIRS
     return {
         "base": base,
-        "align": replace(base, align_max_pairs=align),
-        "route1": replace(base, route_warps=1),
-        "qk8": replace(base, qk_heads=8),
-        "gemv": replace(base, gemv_tuned=True),
-        "kv_fused": replace(base, kv_fused=True),
+        "no_align": replace(base, align_max_pairs=BEFORE.align_max_pairs),
+        "route4": replace(base, route_warps=BEFORE.route_warps),
+        "qk_whole": replace(base, qk_heads=BEFORE.qk_heads),
+        "no_gemv_table": replace(base, gemv="none"),
+        "swept_gemv": replace(base, gemv="swept"),
+        "kv_write": replace(base, kv_fused=BEFORE.kv_fused),
         "down8": replace(base, down_block_n=DOWN8),
-        "all": Knobs(align, 1, 8, gemv_tuned=True, kv_fused=True, down_block_n=DOWN8),
+        "before": BEFORE,
     }
 
 
@@ -81,7 +91,7 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig]) -> Iterator[
     triton_moe.ALIGN_KERNEL_MAX_PAIRS = knobs.align_max_pairs
     triton_router.ROUTE_NUM_WARPS = knobs.route_warps
     triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
-    triton_gemv.ONE_ROW_SHAPES = dict(tuned) if knobs.gemv_tuned else {}
+    triton_gemv.ONE_ROW_SHAPES = {"shipped": saved[3], "swept": dict(tuned), "none": {}}[knobs.gemv]
     triton_attention.FUSE_DECODE_KV_WRITE = knobs.kv_fused
     triton_moe.DOWN_SUM_BLOCK_N = knobs.down_block_n
     try:

@@ -460,8 +460,9 @@ def apply_rope(
 
 # q heads per program of ``qk_norm_rope`` (None: all of a token's), its k heads one program more.
 # One program for all 32 q heads and 4 k heads of a Qwen3-30B-A3B token took 3.2 us a layer of a
-# batch-1 decode step (H200, run 63a): one SM's loads and reductions, one after another.
-QK_NORM_Q_HEADS_PER_PROGRAM: int | None = None
+# batch-1 decode step (H200, run 63a): one SM's loads and reductions, one after another. 8 a
+# program: that step 1.01x (H100 run 64b, the moe bench's ``knobs`` arm ``qk8``), the same bits.
+QK_NORM_Q_HEADS_PER_PROGRAM: int | None = 8
 
 
 @triton.jit

@@ -29,9 +29,9 @@ from siesta import pdl
 
 # Warps of a token's program. On one warp a row of 128 logits is 4 a thread and each of the k
 # rounds of max-and-pick reduces by shuffles alone, where more warps add a shared-memory round
-# trip to each; 4 (Triton's default, what runs 49-63 measured) until a card has timed 1 in a
-# decode step (the moe bench's ``knobs`` part, arm ``route1``).
-ROUTE_NUM_WARPS = 4
+# trip to each. One warp against Triton's default 4: a Qwen3-30B-A3B batch-1 step 1.01x (H100
+# run 64b, the moe bench's ``knobs`` part, arm ``route1``), and part of its ``all`` arm's 1.07x.
+ROUTE_NUM_WARPS = 1
 
 
 @triton.jit

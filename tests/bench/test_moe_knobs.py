@@ -4,6 +4,8 @@ timed at every batch against the base, the sweep's winners among its candidates,
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import siesta
@@ -34,18 +36,22 @@ def test_every_arm_is_timed_and_the_settings_come_back(llm, monkeypatch: pytest.
     recaptures: list[bool] = []
     runner = llm.engine.runner
     monkeypatch.setattr(runner, "recapture_graphs", lambda decode_only=False: recaptures.append(decode_only))
-    seen: list[moe_knobs.Knobs] = []
+    seen: list[tuple[moe_knobs.Knobs, dict]] = []
     real_decode = __import__("siesta.bench.moe", fromlist=["decode"]).decode
 
     def decode(*a, **kw):
-        seen.append(moe_knobs.shipped())  # the modules' settings as this decode runs
+        seen.append((moe_knobs.shipped(), dict(triton_gemv.ONE_ROW_SHAPES)))  # the settings as this decode runs
         return real_decode(*a, **kw)
 
     monkeypatch.setattr("siesta.bench.moe.decode", decode)
     monkeypatch.setattr(moe_knobs, "GEMV_WEIGHTS", ("qkv_proj.weight", "gate.weight"))  # the interpreter is slow
     out = moe_knobs.run(llm, [1, 2], 16, 2, rounds=1, candidates=gemv_bench.SMOKE_CANDIDATES)
     arms = moe_knobs.arms(before[0])
-    assert seen == list(arms.values())  # each arm decoded under its own settings
+    swept = {tuple(map(int, key.split("x"))): triton_gemv.GemvConfig(**c) for key, c in out["tuned"].items()}
+    tables = {"shipped": before[1], "swept": swept, "none": {}}
+    # each arm decoded under its own settings, the GEMV table the one it names
+    assert seen == [(replace(arm, gemv="shipped"), tables[arm.gemv]) for arm in arms.values()]
+    assert before[1] and swept != before[1]  # three different tables (the smoke candidates are not H100's)
     assert recaptures == [True] * (len(arms) + 1)  # one a switch, one to go back
     assert (moe_knobs.shipped(), triton_gemv.ONE_ROW_SHAPES) == before
     for key in ("batch1", "batch2"):
@@ -71,14 +77,14 @@ def test_an_arm_that_fails_is_recorded_and_the_others_still_run(llm, monkeypatch
     real_decode = __import__("siesta.bench.moe", fromlist=["decode"]).decode
 
     def decode(*a, **kw):
-        if moe_knobs.shipped().route_warps == 1:
+        if moe_knobs.shipped().route_warps == 4:
             raise RuntimeError("capture invalidated")
         return real_decode(*a, **kw)
 
     monkeypatch.setattr("siesta.bench.moe.decode", decode)
     monkeypatch.setattr(moe_knobs, "GEMV_WEIGHTS", ("gate.weight",))
     out = moe_knobs.run(llm, [1], 16, 2, rounds=2, candidates=gemv_bench.SMOKE_CANDIDATES[:1])
-    assert set(out["errors"]) == {"route1", "all"}  # the two arms with one-warp routing
-    assert out["errors"]["route1"].startswith("RuntimeError: capture invalidated at File")
-    assert set(out["batch1"]) == set(moe_knobs.arms(moe_knobs.shipped())) - {"route1", "all"}
+    assert set(out["errors"]) == {"route4", "before"}  # the two arms with four-warp routing
+    assert out["errors"]["route4"].startswith("RuntimeError: capture invalidated at File")
+    assert set(out["batch1"]) == set(moe_knobs.arms(moe_knobs.shipped())) - {"route4", "before"}
     assert all(len(arm["step_ms"]) == 2 for arm in out["batch1"].values())
