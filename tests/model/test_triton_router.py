@@ -107,3 +107,21 @@ def test_on_cuda_ties_across_the_kth_place_pick_what_torch_picks() -> None:
     _, ids = route(logits, 8, True, torch.bfloat16)
     _, want = route_reference(logits, 8, True, torch.bfloat16)
     assert torch.equal(ids.sort(-1).values, want.sort(-1).values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_warp_and_four_give_the_same_bits(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ROUTE_NUM_WARPS``: the reductions change shape with the warps (shuffles only on one, a
+    shared-memory round trip on four), not what they pick or sum. On a GPU this compares two
+    compiled kernels, ties included; the interpreter ignores warps."""
+    from siesta.model import triton_router
+
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(40, 128, generator=gen) * 3).to(dtype)
+    logits[:4, :16] = 1.0  # exact ties across the k-th place
+    logits = logits.to(DEVICE)
+    runs = []
+    for warps in (1, 4):
+        monkeypatch.setattr(triton_router, "ROUTE_NUM_WARPS", warps)
+        runs.append(route(logits, 8, True, dtype))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
