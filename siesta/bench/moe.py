@@ -372,6 +372,12 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
         if cell["best_us"] and cell["default_us"]:
             rows.append([f"MoE one-row GEMV {shape}: default / best us", cell["default_us"] / cell["best_us"],
                          f"{cell['default_us']:.1f} / {cell['best_us']:.1f} (cuBLAS {cell['cublas_us']:.1f})"])  # fmt: skip
+    for kernel in ("gate_up", "down_sum"):
+        cell = ((res.get("knobs") or {}).get("pair_sweep") or {}).get(kernel) or {}
+        if cell.get("best") and cell.get("shipped_us"):
+            best = cell["best"]
+            rows.append([f"MoE one-token {kernel} pair kernel: shipped / best us", cell["shipped_us"] / best["us"],
+                         f"{cell['shipped_us']:.1f} / {best['us']:.1f} ({best['gbps']:,.0f} GB/s at {tuple(best['tiles'].values())})"])  # fmt: skip
     for key, cell in (res.get("knobs") or {}).items():
         if key.startswith("batch"):
             rows.extend([f"MoE decode {key}: knobs {name} / base", arm["base_over_arm"],

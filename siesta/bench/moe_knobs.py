@@ -20,8 +20,9 @@ takes one of them back (``base_over_arm`` under 1: that choice helps on this car
   candidates over the model's dense matrices, run here first;
 - ``kv_write``: decode steps' K/V stored by the write kernel, not by the split attention kernel
   (``triton_attention.FUSE_DECODE_KV_WRITE``);
-- ``down8``: the one- and two-token down-and-sum kernel on 8-feature tiles, twice the programs
-  (``triton_moe.DOWN_SUM_BLOCK_N``; no gain in run 64b);
+- ``swept_pairs``: the one- and two-token expert kernels (``triton_moe.GATE_UP_PAIR_TILES``,
+  ``DOWN_SUM_TILES``) on this card's winners of a sweep of ``PAIR_CANDIDATES`` at one token over
+  the model's own experts, one kernel's tiles varied at a time, run here first;
 - ``before``: every choice as before run 64b.
 """
 
@@ -37,12 +38,19 @@ import torch
 
 from siesta.attention import triton_attention
 from siesta.bench.gemv import CANDIDATES, Shape, bench_shape
-from siesta.bench.kernel_timing import weight_copies
+from siesta.bench.kernel_timing import time_call, weight_copies
 from siesta.model import triton_gemv, triton_moe, triton_ops, triton_router
 from siesta.model.triton_gemv import GemvConfig
+from siesta.model.triton_moe import PairTiles
 
 ROUNDS = 2
-DOWN8 = 8  # the ``down8`` arm's down-and-sum feature tile
+# Pair-kernel tiles the sweep tries, (block_n, block_k, warps, stages), beside the shipped ones:
+# more programs (8 features), longer reads (512), deeper pipelines, wider programs.
+PAIR_CANDIDATES = tuple(PairTiles(*t) for t in (
+    (8, 256, 4, 4), (8, 512, 4, 3), (16, 128, 4, 6), (16, 256, 4, 5), (16, 512, 4, 3), (16, 512, 8, 4),
+    (32, 256, 8, 3), (32, 128, 4, 4), (16, 256, 2, 4), (8, 128, 2, 6)))  # fmt: skip
+SMOKE_PAIR_CANDIDATES = (PairTiles(8, 64, 2, 2), PairTiles(16, 32, 4, 3))
+WRONG_ABOVE = 1e-2  # max |diff| over max |out| against the shipped tiles: another reduction's rounding
 # The 2-D weights a one-row decode step sends through the GEMV, by the end of their names.
 GEMV_WEIGHTS = ("qkv_proj.weight", "o_proj.weight", "gate.weight", "lm_head.weight", "gate_up_proj.weight",
                 "down_proj.weight")  # fmt: skip
@@ -55,18 +63,17 @@ class Knobs:
     qk_heads: int | None
     gemv: str = "shipped"  # ONE_ROW_SHAPES: "shipped", "swept" (this card's winners) or "none"
     kv_fused: bool = False
-    down_block_n: int = triton_moe.PAIR_BLOCK_N
+    pairs: str = "shipped"  # the pair kernels' tiles: "shipped" or "swept"
 
 
 # Every choice as it was before H100 run 64b turned the winners on.
-BEFORE = Knobs(align_max_pairs=0, route_warps=4, qk_heads=None, gemv="none", kv_fused=False,
-               down_block_n=triton_moe.PAIR_BLOCK_N)  # fmt: skip
+BEFORE = Knobs(align_max_pairs=0, route_warps=4, qk_heads=None, gemv="none", kv_fused=False)
 
 
 def shipped() -> Knobs:
     return Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
                  triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv="shipped",
-                 kv_fused=triton_attention.FUSE_DECODE_KV_WRITE, down_block_n=triton_moe.DOWN_SUM_BLOCK_N)  # fmt: skip
+                 kv_fused=triton_attention.FUSE_DECODE_KV_WRITE)  # fmt: skip
 
 
 def arms(base: Knobs) -> dict[str, Knobs]:
@@ -78,27 +85,32 @@ def arms(base: Knobs) -> dict[str, Knobs]:
         "no_gemv_table": replace(base, gemv="none"),
         "swept_gemv": replace(base, gemv="swept"),
         "kv_write": replace(base, kv_fused=BEFORE.kv_fused),
-        "down8": replace(base, down_block_n=DOWN8),
+        "swept_pairs": replace(base, pairs="swept"),
         "before": BEFORE,
     }
 
 
 @contextlib.contextmanager
-def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig]) -> Iterator[None]:
-    """The modules set to ``knobs`` (tuned GEMV configs from ``tuned``), restored after."""
+def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
+            pairs: tuple[PairTiles, PairTiles] | None = None) -> Iterator[None]:  # fmt: skip
+    """The modules set to ``knobs`` (this card's GEMV winners ``tuned``, pair-kernel winners
+    ``pairs``: gate/up's and down-and-sum's), restored after."""
     saved = (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
-             triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.DOWN_SUM_BLOCK_N)  # fmt: skip
+             triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
+             triton_moe.DOWN_SUM_TILES)  # fmt: skip
     triton_moe.ALIGN_KERNEL_MAX_PAIRS = knobs.align_max_pairs
     triton_router.ROUTE_NUM_WARPS = knobs.route_warps
     triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
     triton_gemv.ONE_ROW_SHAPES = {"shipped": saved[3], "swept": dict(tuned), "none": {}}[knobs.gemv]
     triton_attention.FUSE_DECODE_KV_WRITE = knobs.kv_fused
-    triton_moe.DOWN_SUM_BLOCK_N = knobs.down_block_n
+    if knobs.pairs == "swept" and pairs is not None:
+        triton_moe.GATE_UP_PAIR_TILES, triton_moe.DOWN_SUM_TILES = pairs
     try:
         yield
     finally:
         (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
-         triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.DOWN_SUM_BLOCK_N) = saved  # fmt: skip
+         triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
+         triton_moe.DOWN_SUM_TILES) = saved  # fmt: skip
 
 
 def gemv_shapes(model: torch.nn.Module) -> list[Shape]:
@@ -130,8 +142,66 @@ def sweep(model: torch.nn.Module, candidates: tuple[GemvConfig, ...] = CANDIDATE
     return out
 
 
+def _experts(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every sparse layer's ``(gate_up [E, 2I, H], down [E, H, I])``, in layer order."""
+    params = dict(model.named_parameters())
+    return [(p, params[name.replace("gate_up_proj", "down_proj")]) for name, p in params.items()
+            if name.endswith("experts.gate_up_proj")]  # fmt: skip
+
+
+def pair_sweep(model: torch.nn.Module, candidates: tuple[PairTiles, ...] = PAIR_CANDIDATES,
+               top_k: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """One token's experts (``_fused_moe_pairs``) under each candidate tile of one kernel, the
+    other's shipped: µs and expert GB/s, over the model's own experts (call ``i`` routes to ``top_k``
+    random experts of layer ``i``, so the cycle reads HBM). Each kernel's winner among the
+    candidates whose output is the shipped tiles' (to another reduction's rounding)."""
+    layers = _experts(model)
+    gate_up, down = layers[0]
+    experts, hidden = gate_up.shape[0], gate_up.shape[2]
+    top_k = top_k or min(8, experts)
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randperm(experts, generator=gen)[:top_k].view(1, top_k).to(gate_up.device) for _ in layers]
+    x = torch.randn((1, hidden), generator=gen).mul_(hidden**-0.5).to(gate_up.device, gate_up.dtype)
+    weights = torch.full((1, top_k), 1.0 / top_k, device=gate_up.device, dtype=gate_up.dtype)
+    expert_bytes = top_k * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    shipped_tiles = {"gate_up": triton_moe.GATE_UP_PAIR_TILES, "down_sum": triton_moe.DOWN_SUM_TILES}
+
+    def call(i: int) -> torch.Tensor:
+        return triton_moe._fused_moe_pairs(x, weights, ids[i], *layers[i])
+
+    ref = call(0)
+    out: dict[str, Any] = {"expert_bytes": expert_bytes, "layers": len(layers)}
+    for kernel, module_name in (("gate_up", "GATE_UP_PAIR_TILES"), ("down_sum", "DOWN_SUM_TILES")):
+        rows = []
+        for tiles in dict.fromkeys((shipped_tiles[kernel], *candidates)):
+            setattr(triton_moe, module_name, tiles)
+            row: dict[str, Any] = {"tiles": asdict(tiles)}
+            try:
+                got = call(0)
+                row["rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+                row["us"] = time_call(call, len(layers), x.device, len(layers))
+                row["gbps"] = expert_bytes / row["us"] / 1e3
+            except Exception as e:  # noqa: BLE001 - a tile that fails to compile (shared memory) is a result
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            finally:
+                setattr(triton_moe, module_name, shipped_tiles[kernel])
+            rows.append(row)
+        good = [r for r in rows if "us" in r and r["rel_err"] <= WRONG_ABOVE]
+        out[kernel] = {"rows": rows, "shipped_us": rows[0].get("us"),
+                       "best": min(good, key=lambda r: r["us"]) if good else None}  # fmt: skip
+    return out
+
+
+def _pair_winners(swept: dict[str, Any]) -> tuple[PairTiles, PairTiles]:
+    """(gate/up's, down-and-sum's) winners of ``pair_sweep``, the shipped tile where none ran."""
+    shipped_tiles = (triton_moe.GATE_UP_PAIR_TILES, triton_moe.DOWN_SUM_TILES)
+    return tuple(PairTiles(**swept[kernel]["best"]["tiles"]) if swept[kernel]["best"] else tiles
+                 for kernel, tiles in zip(("gate_up", "down_sum"), shipped_tiles))  # fmt: skip
+
+
 def run(llm, batches: list[int], context: int, steps: int, rounds: int = ROUNDS,
-        candidates: tuple[GemvConfig, ...] = CANDIDATES) -> dict[str, Any]:  # fmt: skip
+        candidates: tuple[GemvConfig, ...] = CANDIDATES,
+        pair_candidates: tuple[PairTiles, ...] = PAIR_CANDIDATES) -> dict[str, Any]:  # fmt: skip
     """Every arm's decode step at ``batches``, alternated ``rounds`` times on ``llm``; the
     shipped settings (and decode graphs) are back after."""
     from siesta.bench.moe import decode
@@ -142,6 +212,8 @@ def run(llm, batches: list[int], context: int, steps: int, rounds: int = ROUNDS,
     llm.engine.memory.backup.settle()
     swept = sweep(runner.model, candidates)
     tuned = swept.pop("tuned")
+    pairs_swept = pair_sweep(runner.model, pair_candidates, runner.model.shape.top_k)
+    pairs = _pair_winners(pairs_swept)
     knobs = arms(shipped())
     steps_ms: dict[str, dict[str, list[float]]] = {name: {} for name in knobs}
     errors: dict[str, str] = {}
@@ -151,7 +223,7 @@ def run(llm, batches: list[int], context: int, steps: int, rounds: int = ROUNDS,
                 if name in errors:
                     continue
                 try:
-                    with applied(arm, tuned):
+                    with applied(arm, tuned, pairs):
                         runner.recapture_graphs(decode_only=True)
                         res = decode(llm, batches, context, steps)
                 except Exception as e:  # noqa: BLE001 - one arm's failure is reported, the others still run
@@ -163,6 +235,7 @@ def run(llm, batches: list[int], context: int, steps: int, rounds: int = ROUNDS,
     finally:
         runner.recapture_graphs(decode_only=True)
     out: dict[str, Any] = {"gemv_sweep": swept, "tuned": {f"{n}x{k}": asdict(c) for (n, k), c in tuned.items()},
+                           "pair_sweep": pairs_swept, "pairs": {"gate_up": asdict(pairs[0]), "down_sum": asdict(pairs[1])},
                            "arms": {name: asdict(arm) for name, arm in knobs.items()}, "rounds": rounds,
                            "errors": errors}  # fmt: skip
     for key, base in steps_ms["base"].items():

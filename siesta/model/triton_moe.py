@@ -133,8 +133,7 @@ LARGE_PREFILL_PAIRS_PER_EXPERT = 128
 # decode tiles' 16-row MMAs would slow a prefill's compute-bound GEMMs. Not measured yet: small
 # decode batches get fewer programs on them (Qwen3-30B-A3B at batch 1: 8 experts x 6 gate/up tiles).
 DETERMINISTIC_TILES = PREFILL_TILES
-# The per-pair path: steps of at most this many tokens, feature tiles of PAIR_BLOCK_N rows read
-# PAIR_BLOCK_K at a time (two fp32 accumulators of 16 x 256 on 4 warps: 64 registers a thread).
+# The per-pair path: steps of at most this many tokens (tiles: ``GATE_UP_PAIR_TILES``).
 PAIR_PATH_MAX_TOKENS = 2
 # align: steps of up to this many (token, k) pairs place them by a one-hot running count
 # ([experts, pairs] int64: 2 MiB at 2,048 pairs and 128 experts), larger ones by a sort.
@@ -144,16 +143,25 @@ ONE_HOT_MAX_PAIRS = 2048
 # pairs), 1.04x at 64 (512) (H100 run 64b, the moe bench's ``knobs`` arm ``align``). One program
 # walks every pair four times, so larger steps, not yet timed, keep the launches.
 ALIGN_KERNEL_MAX_PAIRS = 512
-PAIR_BLOCK_N = 16
-PAIR_BLOCK_K = 256
-PAIR_NUM_WARPS = 4
-# The down-and-sum kernel has k times fewer programs than pairs (at one token, one a feature
-# tile: 128 for Qwen3-30B-A3B on 132 SMs), so each keeps one stage more of loads in flight.
-PAIR_NUM_STAGES = 3
-DOWN_SUM_NUM_STAGES = PAIR_NUM_STAGES + 1
-# Its feature tile: 8 doubles the programs (two an SM at one token) with the same bytes each in
-# flight, as the moe bench's ``knobs`` arm ``down8`` times; PAIR_BLOCK_N until a card has.
-DOWN_SUM_BLOCK_N = PAIR_BLOCK_N
+
+
+@dataclass(frozen=True)
+class PairTiles:
+    """A pair kernel's launch: ``block_n`` features a program, ``block_k`` of the reduction a step."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Feature tiles of 16 rows read 256 at a time (two fp32 accumulators of 16 x 256 on 4 warps: 64
+# registers a thread). The down-and-sum kernel has k times fewer programs than pairs (at one
+# token, one a feature tile: 128 for Qwen3-30B-A3B on 132 SMs), so each keeps one stage more of
+# loads in flight; 8-feature tiles (two programs an SM) gained nothing (H100 run 64b, 1.00x).
+# The moe bench's ``knobs`` part sweeps both kernels' tiles (arm ``swept_pairs``).
+GATE_UP_PAIR_TILES = PairTiles(block_n=16, block_k=256, num_warps=4, num_stages=3)
+DOWN_SUM_TILES = PairTiles(block_n=16, block_k=256, num_warps=4, num_stages=4)
 
 
 def tiles_for(num_pairs: int, num_experts: int) -> MoeTiles:
@@ -320,18 +328,20 @@ def _fused_moe_pairs(
     flat_ids = ids.reshape(-1).contiguous()
     flat_weights = weights.reshape(-1).contiguous()
     act = torch.empty((n, inter), dtype=x.dtype, device=x.device)
-    _gate_up_pair_kernel[(n, triton.cdiv(inter, PAIR_BLOCK_N))](
+    up = GATE_UP_PAIR_TILES
+    _gate_up_pair_kernel[(n, triton.cdiv(inter, up.block_n))](
         x, gate_up, flat_ids, act, hidden, inter,
         x.stride(0), x.stride(1), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        TOP_K=k, BLOCK_N=PAIR_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, EVEN_K=hidden % PAIR_BLOCK_K == 0,
-        NUM_STAGES=PAIR_NUM_STAGES, num_warps=PAIR_NUM_WARPS, **pdl.launch(x.device),
+        TOP_K=k, BLOCK_N=up.block_n, BLOCK_K=up.block_k, EVEN_K=hidden % up.block_k == 0,
+        NUM_STAGES=up.num_stages, num_warps=up.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
-    _down_sum_kernel[(t, triton.cdiv(hidden, DOWN_SUM_BLOCK_N))](
+    dn = DOWN_SUM_TILES
+    _down_sum_kernel[(t, triton.cdiv(hidden, dn.block_n))](
         act, down, flat_ids, flat_weights, out, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        TOP_K=k, BLOCK_N=DOWN_SUM_BLOCK_N, BLOCK_K=PAIR_BLOCK_K, EVEN_K=inter % PAIR_BLOCK_K == 0,
-        NUM_STAGES=DOWN_SUM_NUM_STAGES, num_warps=PAIR_NUM_WARPS, **pdl.launch(x.device),
+        TOP_K=k, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=inter % dn.block_k == 0,
+        NUM_STAGES=dn.num_stages, num_warps=dn.num_warps, **pdl.launch(x.device),
     )  # fmt: skip
     return out
 

@@ -12,7 +12,12 @@ import siesta
 from siesta.bench import gemv as gemv_bench
 from siesta.bench import moe_knobs
 from siesta.bench.moe import summary_rows
-from siesta.model import triton_gemv
+from siesta.model import triton_gemv, triton_moe
+from siesta.model.triton_moe import PairTiles
+
+
+def _pair_tiles() -> tuple[PairTiles, PairTiles]:
+    return triton_moe.GATE_UP_PAIR_TILES, triton_moe.DOWN_SUM_TILES
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +37,7 @@ def test_gemv_shapes_are_the_dense_matrices(llm) -> None:
 
 
 def test_every_arm_is_timed_and_the_settings_come_back(llm, monkeypatch: pytest.MonkeyPatch) -> None:
-    before = moe_knobs.shipped(), dict(triton_gemv.ONE_ROW_SHAPES)
+    before = moe_knobs.shipped(), dict(triton_gemv.ONE_ROW_SHAPES), _pair_tiles()
     recaptures: list[bool] = []
     runner = llm.engine.runner
     monkeypatch.setattr(runner, "recapture_graphs", lambda decode_only=False: recaptures.append(decode_only))
@@ -40,20 +45,23 @@ def test_every_arm_is_timed_and_the_settings_come_back(llm, monkeypatch: pytest.
     real_decode = __import__("siesta.bench.moe", fromlist=["decode"]).decode
 
     def decode(*a, **kw):
-        seen.append((moe_knobs.shipped(), dict(triton_gemv.ONE_ROW_SHAPES)))  # the settings as this decode runs
+        seen.append((moe_knobs.shipped(), dict(triton_gemv.ONE_ROW_SHAPES), _pair_tiles()))  # the settings as it runs
         return real_decode(*a, **kw)
 
     monkeypatch.setattr("siesta.bench.moe.decode", decode)
     monkeypatch.setattr(moe_knobs, "GEMV_WEIGHTS", ("qkv_proj.weight", "gate.weight"))  # the interpreter is slow
-    out = moe_knobs.run(llm, [1, 2], 16, 2, rounds=1, candidates=gemv_bench.SMOKE_CANDIDATES)
+    out = moe_knobs.run(llm, [1, 2], 16, 2, rounds=1, candidates=gemv_bench.SMOKE_CANDIDATES,
+                        pair_candidates=moe_knobs.SMOKE_PAIR_CANDIDATES)  # fmt: skip
     arms = moe_knobs.arms(before[0])
     swept = {tuple(map(int, key.split("x"))): triton_gemv.GemvConfig(**c) for key, c in out["tuned"].items()}
     tables = {"shipped": before[1], "swept": swept, "none": {}}
     # each arm decoded under its own settings, the GEMV table the one it names
-    assert seen == [(replace(arm, gemv="shipped"), tables[arm.gemv]) for arm in arms.values()]
+    pairs = {"shipped": before[2], "swept": tuple(PairTiles(**out["pairs"][k]) for k in ("gate_up", "down_sum"))}
+    assert seen == [(replace(arm, gemv="shipped", pairs="shipped"), tables[arm.gemv], pairs[arm.pairs])
+                    for arm in arms.values()]  # fmt: skip
     assert before[1] and swept != before[1]  # three different tables (the smoke candidates are not H100's)
     assert recaptures == [True] * (len(arms) + 1)  # one a switch, one to go back
-    assert (moe_knobs.shipped(), triton_gemv.ONE_ROW_SHAPES) == before
+    assert (moe_knobs.shipped(), triton_gemv.ONE_ROW_SHAPES, _pair_tiles()) == before
     for key in ("batch1", "batch2"):
         assert set(out[key]) == set(arms)
         assert out[key]["base"]["base_over_arm"] == 1.0
@@ -67,6 +75,7 @@ def test_every_arm_is_timed_and_the_settings_come_back(llm, monkeypatch: pytest.
     labels = [row[0] for row in summary_rows({"knobs": out})]
     assert sum("one-row GEMV" in label for label in labels) == 2
     assert sum("knobs" in label for label in labels) == 2 * (len(arms) - 1)
+    assert sum("pair kernel" in label for label in labels) == 2  # gate/up's and down-and-sum's winners
 
 
 def test_an_arm_that_fails_is_recorded_and_the_others_still_run(llm, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,8 +92,23 @@ def test_an_arm_that_fails_is_recorded_and_the_others_still_run(llm, monkeypatch
 
     monkeypatch.setattr("siesta.bench.moe.decode", decode)
     monkeypatch.setattr(moe_knobs, "GEMV_WEIGHTS", ("gate.weight",))
-    out = moe_knobs.run(llm, [1], 16, 2, rounds=2, candidates=gemv_bench.SMOKE_CANDIDATES[:1])
+    out = moe_knobs.run(llm, [1], 16, 2, rounds=2, candidates=gemv_bench.SMOKE_CANDIDATES[:1],
+                        pair_candidates=moe_knobs.SMOKE_PAIR_CANDIDATES[:1])  # fmt: skip
     assert set(out["errors"]) == {"route4", "before"}  # the two arms with four-warp routing
     assert out["errors"]["route4"].startswith("RuntimeError: capture invalidated at File")
     assert set(out["batch1"]) == set(moe_knobs.arms(moe_knobs.shipped())) - {"route4", "before"}
     assert all(len(arm["step_ms"]) == 2 for arm in out["batch1"].values())
+
+
+def test_the_pair_sweep_times_each_kernels_tiles_and_picks_a_winner_that_agrees(llm) -> None:
+    """Each kernel's rows: the shipped tile first, then every candidate, each checked against the
+    shipped output; the winner is the fastest that agrees, and the shipped tiles are back."""
+    before = _pair_tiles()
+    out = moe_knobs.pair_sweep(llm.engine.runner.model, moe_knobs.SMOKE_PAIR_CANDIDATES, top_k=2)
+    assert _pair_tiles() == before
+    assert out["layers"] == len(llm.engine.runner.model.shape.sparse_layers)
+    for kernel, shipped in zip(("gate_up", "down_sum"), before):
+        rows = out[kernel]["rows"]
+        assert [PairTiles(**r["tiles"]) for r in rows] == [shipped, *moe_knobs.SMOKE_PAIR_CANDIDATES]
+        assert rows[0]["rel_err"] == 0.0 and all(r["rel_err"] < 1e-5 and r["us"] > 0 for r in rows)  # fp32
+        assert out[kernel]["best"]["us"] == min(r["us"] for r in rows)

@@ -529,23 +529,29 @@ def test_one_or_two_tokens_take_the_pair_kernels(case: Case) -> None:
     _assert_close(out, experts_reference(x, weights, ids, gate_up, down), FP32_TOL)
 
 
-@pytest.mark.parametrize("block_n", [8, 32])
-def test_the_down_sum_tile_is_a_knob(block_n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``DOWN_SUM_BLOCK_N``: the down-and-sum kernel's grid follows it, and the oracle's result
-    holds at any tile (H of no tile's multiple: a ragged last one)."""
+@pytest.mark.parametrize("tiles", [(8, 64, 2, 2), (32, 128, 8, 5)], ids=str)
+def test_the_pair_kernels_tiles_are_knobs(tiles: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GATE_UP_PAIR_TILES`` and ``DOWN_SUM_TILES``: each kernel's grid follows its tile, and
+    the oracle's result holds at any tile (H and I of no tile's multiple: ragged last ones)."""
     case = Case(2, 8, 16, 200, 80)
     x, weights, ids, gate_up, down = _inputs(case, torch.float32)
-    monkeypatch.setattr(triton_moe, "DOWN_SUM_BLOCK_N", block_n)
-    grids, kernel = [], triton_moe._down_sum_kernel
+    pair = triton_moe.PairTiles(*tiles)
+    monkeypatch.setattr(triton_moe, "GATE_UP_PAIR_TILES", pair)
+    monkeypatch.setattr(triton_moe, "DOWN_SUM_TILES", replace(pair, block_n=pair.block_n * 2))
+    grids: list[tuple] = []
 
-    class Recorded:
+    class Recorded:  # the launch's grid, then the real kernel
+        def __init__(self, kernel):
+            self.kernel = kernel
+
         def __getitem__(self, grid):
             grids.append(grid)
-            return kernel[grid]
+            return self.kernel[grid]
 
-    monkeypatch.setattr(triton_moe, "_down_sum_kernel", Recorded())
+    for name in ("_gate_up_pair_kernel", "_down_sum_kernel"):
+        monkeypatch.setattr(triton_moe, name, Recorded(getattr(triton_moe, name)))
     out = _fused(x, weights, ids, gate_up, down)
-    assert grids == [(2, -(-200 // block_n))]
+    assert grids == [(2 * 8, -(-80 // pair.block_n)), (2, -(-200 // (2 * pair.block_n)))]
     _assert_close(out, _oracle(x, weights, ids, gate_up, down), FP32_TOL)
 
 
