@@ -6,8 +6,9 @@ choices, A/B on one engine.
 Each arm is a set of module settings (``Knobs``). The decode graphs are captured again at every
 switch (as ``moe.pdl_ab`` does), the arms run in turn ``rounds`` times (the machine's drift shows
 as spread within an arm), and each arm's best step is set against the base arm's. H100 run 64b
-timed each choice turned on alone and all together; they now ship, so each arm but the last
-takes one of them back (``base_over_arm`` under 1: that choice helps on this card):
+timed each choice turned on alone and all together; they now ship, so most arms take one of
+them back (``base_over_arm`` under 1: that choice helps on this card), the ``swept_`` arms try
+this card's own sweep winners, and ``before`` takes them all back:
 
 - ``base``: what ships;
 - ``no_align``: the pairs placed by torch's launches, not one Triton program (``triton_align``,

@@ -133,7 +133,8 @@ LARGE_PREFILL_PAIRS_PER_EXPERT = 128
 # decode tiles' 16-row MMAs would slow a prefill's compute-bound GEMMs. Not measured yet: small
 # decode batches get fewer programs on them (Qwen3-30B-A3B at batch 1: 8 experts x 6 gate/up tiles).
 DETERMINISTIC_TILES = PREFILL_TILES
-# The per-pair path: steps of at most this many tokens (tiles: ``GATE_UP_PAIR_TILES``).
+# The per-pair path: steps of at most this many tokens (tiles: ``GATE_UP_PAIR_TILES`` and
+# ``DOWN_SUM_TILES``, below).
 PAIR_PATH_MAX_TOKENS = 2
 # align: steps of up to this many (token, k) pairs place them by a one-hot running count
 # ([experts, pairs] int64: 2 MiB at 2,048 pairs and 128 experts), larger ones by a sort.
