@@ -171,6 +171,11 @@ def _call_every_kernel(dtype: torch.dtype) -> None:
     triton_align.align_pairs(torch.zeros(64 * 8, dtype=torch.int64), 128, 16, 64 * 8 // 16 + 128)
     x1, router = torch.empty(1, 2048, dtype=dtype), torch.empty(128, 2048, dtype=dtype)
     triton_gemv.gemv(x1, router)
+    # every per-matrix one-row config the table ships (2-byte weights), and the rule's for the rest
+    if dtype.itemsize == 2:
+        for n, k in triton_gemv.ONE_ROW_SHAPES:
+            triton_gemv.gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
+    triton_gemv.gemv(x1, torch.empty(256, 2048, dtype=dtype))
     triton_gemv.gemv(x1, router, config=triton_gemv.GemvConfig(4, 512, 4, 3, split_k=4))
     # Deterministic mode's GEMM: K a multiple of the chunk without bias (o_proj), and neither (a ragged K, q/k/v bias).
     triton_matmul.matmul(torch.empty(4, 4096, dtype=dtype), torch.empty(4096, 4096, dtype=dtype))
