@@ -171,7 +171,7 @@ def _describe(config: GemvConfig) -> str:
     return f"{path} n{config.block_n} k{config.block_k} w{config.num_warps} s{config.num_stages} sk{config.split_k}"
 
 
-def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     scale = ref.float().abs().max().clamp_min(torch.finfo(torch.float32).tiny)
     return ((out.float() - ref.float()).abs().max() / scale).item()
 
@@ -185,7 +185,7 @@ def _bench_triton(
 ) -> Timing:
     timing = Timing("triton", config=asdict(config))
     try:
-        timing.rel_err = _relative_error(gemv(x, weights[0], config=config), ref)
+        timing.rel_err = relative_error(gemv(x, weights[0], config=config), ref)
         timing.ok = timing.rel_err <= WRONG_ABOVE
         timing.us = _time(lambda i: gemv(x, weights[i], config=config), len(weights), x.device)
     except Exception as exc:  # noqa: BLE001 - a config that fails to compile (shared memory) is a result

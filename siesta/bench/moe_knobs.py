@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from siesta.attention import triton_attention
-from siesta.bench.gemv import CANDIDATES, Shape, bench_shape
+from siesta.bench.gemv import CANDIDATES, Shape, bench_shape, relative_error
 from siesta.bench.kernel_timing import time_call, weight_copies
 from siesta.model import triton_gemv, triton_moe, triton_ops, triton_router
 from siesta.model.triton_gemv import GemvConfig
@@ -52,6 +52,8 @@ PAIR_CANDIDATES = tuple(PairTiles(*t) for t in (
     (32, 256, 8, 3), (32, 128, 4, 4), (16, 256, 2, 4), (8, 128, 2, 6)))  # fmt: skip
 SMOKE_PAIR_CANDIDATES = (PairTiles(8, 64, 2, 2), PairTiles(16, 32, 4, 3))
 WRONG_ABOVE = 1e-2  # max |diff| over max |out| against the shipped tiles: another reduction's rounding
+# Each pair kernel's name in the sweep's record, and its tiles' name in ``triton_moe``.
+PAIR_KERNELS = {"gate_up": "GATE_UP_PAIR_TILES", "down_sum": "DOWN_SUM_TILES"}
 # The 2-D weights a one-row decode step sends through the GEMV, by the end of their names.
 GEMV_WEIGHTS = ("qkv_proj.weight", "o_proj.weight", "gate.weight", "lm_head.weight", "gate_up_proj.weight",
                 "down_proj.weight")  # fmt: skip
@@ -93,7 +95,7 @@ def arms(base: Knobs) -> dict[str, Knobs]:
 
 @contextlib.contextmanager
 def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
-            pairs: tuple[PairTiles, PairTiles] | None = None) -> Iterator[None]:  # fmt: skip
+            pairs: tuple[PairTiles, PairTiles]) -> Iterator[None]:  # fmt: skip
     """The modules set to ``knobs`` (this card's GEMV winners ``tuned``, pair-kernel winners
     ``pairs``: gate/up's and down-and-sum's), restored after."""
     saved = (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
@@ -104,7 +106,7 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
     triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
     triton_gemv.ONE_ROW_SHAPES = {"shipped": saved[3], "swept": dict(tuned), "none": {}}[knobs.gemv]
     triton_attention.FUSE_DECODE_KV_WRITE = knobs.kv_fused
-    if knobs.pairs == "swept" and pairs is not None:
+    if knobs.pairs == "swept":
         triton_moe.GATE_UP_PAIR_TILES, triton_moe.DOWN_SUM_TILES = pairs
     try:
         yield
@@ -165,27 +167,27 @@ def pair_sweep(model: torch.nn.Module, candidates: tuple[PairTiles, ...] = PAIR_
     x = torch.randn((1, hidden), generator=gen).mul_(hidden**-0.5).to(gate_up.device, gate_up.dtype)
     weights = torch.full((1, top_k), 1.0 / top_k, device=gate_up.device, dtype=gate_up.dtype)
     expert_bytes = top_k * (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-    shipped_tiles = {"gate_up": triton_moe.GATE_UP_PAIR_TILES, "down_sum": triton_moe.DOWN_SUM_TILES}
 
     def call(i: int) -> torch.Tensor:
         return triton_moe._fused_moe_pairs(x, weights, ids[i], *layers[i])
 
     ref = call(0)
     out: dict[str, Any] = {"expert_bytes": expert_bytes, "layers": len(layers)}
-    for kernel, module_name in (("gate_up", "GATE_UP_PAIR_TILES"), ("down_sum", "DOWN_SUM_TILES")):
+    for kernel, module_name in PAIR_KERNELS.items():
+        shipped_tiles = getattr(triton_moe, module_name)
         rows = []
-        for tiles in dict.fromkeys((shipped_tiles[kernel], *candidates)):
+        for tiles in dict.fromkeys((shipped_tiles, *candidates)):
             setattr(triton_moe, module_name, tiles)
             row: dict[str, Any] = {"tiles": asdict(tiles)}
             try:
                 got = call(0)
-                row["rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
+                row["rel_err"] = relative_error(got, ref)
                 row["us"] = time_call(call, len(layers), x.device, len(layers))
                 row["gbps"] = expert_bytes / row["us"] / 1e3
             except Exception as e:  # noqa: BLE001 - a tile that fails to compile (shared memory) is a result
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             finally:
-                setattr(triton_moe, module_name, shipped_tiles[kernel])
+                setattr(triton_moe, module_name, shipped_tiles)
             rows.append(row)
         good = [r for r in rows if "us" in r and r["rel_err"] <= WRONG_ABOVE]
         out[kernel] = {"rows": rows, "shipped_us": rows[0].get("us"),
@@ -195,9 +197,8 @@ def pair_sweep(model: torch.nn.Module, candidates: tuple[PairTiles, ...] = PAIR_
 
 def _pair_winners(swept: dict[str, Any]) -> tuple[PairTiles, PairTiles]:
     """(gate/up's, down-and-sum's) winners of ``pair_sweep``, the shipped tile where none ran."""
-    shipped_tiles = (triton_moe.GATE_UP_PAIR_TILES, triton_moe.DOWN_SUM_TILES)
-    return tuple(PairTiles(**swept[kernel]["best"]["tiles"]) if swept[kernel]["best"] else tiles
-                 for kernel, tiles in zip(("gate_up", "down_sum"), shipped_tiles))  # fmt: skip
+    return tuple(PairTiles(**swept[kernel]["best"]["tiles"]) if swept[kernel]["best"] else getattr(triton_moe, name)
+                 for kernel, name in PAIR_KERNELS.items())  # fmt: skip
 
 
 def run(llm, batches: list[int], context: int, steps: int, rounds: int = ROUNDS,
