@@ -75,6 +75,30 @@ def _temp_files_in_pytest_temp(tmp_path_factory):
             os.environ[name] = value
 
 
+@pytest.fixture
+def launch_grids(monkeypatch: pytest.MonkeyPatch):
+    """``record(module, *names)``: each named Triton kernel of ``module`` still launches, and the
+    returned list gets every launch's grid in order (so a test of a launch-shape knob fails if the
+    knob changed nothing)."""
+
+    def record(module, *names: str) -> list[tuple]:
+        grids: list[tuple] = []
+
+        class Recorded:
+            def __init__(self, kernel) -> None:
+                self.kernel = kernel
+
+            def __getitem__(self, grid):
+                grids.append(grid)
+                return self.kernel[grid]
+
+        for name in names:
+            monkeypatch.setattr(module, name, Recorded(getattr(module, name)))
+        return grids
+
+    return record
+
+
 @pytest.fixture(scope="session")
 def embedded_source():
     from siesta.model.loader import resolve_model

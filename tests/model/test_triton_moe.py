@@ -530,7 +530,7 @@ def test_one_or_two_tokens_take_the_pair_kernels(case: Case) -> None:
 
 
 @pytest.mark.parametrize("tiles", [(8, 64, 2, 2), (32, 128, 8, 5)], ids=str)
-def test_the_pair_kernels_tiles_are_knobs(tiles: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_pair_kernels_tiles_are_knobs(tiles: tuple, monkeypatch: pytest.MonkeyPatch, launch_grids) -> None:
     """``GATE_UP_PAIR_TILES`` and ``DOWN_SUM_TILES``: each kernel's grid follows its tile, and
     the oracle's result holds at any tile (H and I of no tile's multiple: ragged last ones)."""
     case = Case(2, 8, 16, 200, 80)
@@ -538,18 +538,7 @@ def test_the_pair_kernels_tiles_are_knobs(tiles: tuple, monkeypatch: pytest.Monk
     pair = triton_moe.PairTiles(*tiles)
     monkeypatch.setattr(triton_moe, "GATE_UP_PAIR_TILES", pair)
     monkeypatch.setattr(triton_moe, "DOWN_SUM_TILES", replace(pair, block_n=pair.block_n * 2))
-    grids: list[tuple] = []
-
-    class Recorded:  # the launch's grid, then the real kernel
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return self.kernel[grid]
-
-    for name in ("_gate_up_pair_kernel", "_down_sum_kernel"):
-        monkeypatch.setattr(triton_moe, name, Recorded(getattr(triton_moe, name)))
+    grids = launch_grids(triton_moe, "_gate_up_pair_kernel", "_down_sum_kernel")
     out = _fused(x, weights, ids, gate_up, down)
     assert grids == [(2 * 8, -(-80 // pair.block_n)), (2, -(-200 // (2 * pair.block_n)))]
     _assert_close(out, _oracle(x, weights, ids, gate_up, down), FP32_TOL)

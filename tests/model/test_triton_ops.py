@@ -335,7 +335,7 @@ def test_qk_norm_rope_is_the_norms_then_the_rotation(dtype, num_tokens, q_heads,
 
 
 @pytest.mark.parametrize("per_program", [1, 4, 8])
-def test_qk_norm_rope_split_over_programs_changes_no_bits(monkeypatch, per_program):
+def test_qk_norm_rope_split_over_programs_changes_no_bits(monkeypatch, per_program, launch_grids):
     """q heads in groups of 1, 4 or 8 programs (9 heads: a ragged last group) give the bits of one
     program for all of them: each head is its own norm."""
     from siesta.model import triton_ops
@@ -347,15 +347,7 @@ def test_qk_norm_rope_split_over_programs_changes_no_bits(monkeypatch, per_progr
     q, k, _ = _fused_qkv(3, 9, 3, 64, torch.float16, gen)
     whole = qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, q_weight, k_weight, EPS, EPS)
     monkeypatch.setattr(triton_ops, "QK_NORM_Q_HEADS_PER_PROGRAM", per_program)
-    grids = []
-    kernel = triton_ops._qk_norm_rope_kernel
-
-    class Recorded:  # the launch's grid, so a knob that changed nothing fails
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(triton_ops, "_qk_norm_rope_kernel", Recorded())
+    grids = launch_grids(triton_ops, "_qk_norm_rope_kernel")
     split = qk_norm_rope(q, k, positions, rotary.cos, rotary.sin, q_weight, k_weight, EPS, EPS)
     assert grids == [(3, -(-9 // per_program) + 1)]  # q groups, then one program for the k heads
     assert torch.equal(split[0], whole[0]) and torch.equal(split[1], whole[1])
