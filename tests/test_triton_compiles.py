@@ -10,12 +10,14 @@ launch down to a cubin with Triton's own compiler and ptxas.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -87,6 +89,17 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     return recorded
 
 
+@contextlib.contextmanager
+def _setting(module, name: str, value) -> Iterator[None]:
+    """``module.name`` set to ``value``, the shipped value back after."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
 def _batch(specs: list[tuple[int, int]], dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """q, k, v, cache and metadata for requests of (cached, new) tokens; contents do not matter."""
     seq_lens = [c + n for c, n in specs]
@@ -125,15 +138,11 @@ def _call_every_attention_kernel(dtype: torch.dtype, kv_dtype: torch.dtype) -> N
         q, k, v, cache, meta = _batch(specs, dtype, kv_dtype)
         backend.forward(q, k, v, cache, 0, meta, HEAD_DIM**-0.5)
     # Decode-only steps whose split kernel stores the new K/V itself, and whose write kernel does, unsplit and split.
-    shipped = triton_attention.FUSE_DECODE_KV_WRITE
     for fused in (True, False):
-        triton_attention.FUSE_DECODE_KV_WRITE = fused
-        try:
+        with _setting(triton_attention, "FUSE_DECODE_KV_WRITE", fused):
             for backend in (TritonAttention(decode_splits=1), TritonAttention()):
                 q, k, v, cache, meta = _batch(decode, dtype, kv_dtype)
                 backend.forward(q, k, v, cache, 0, meta, HEAD_DIM**-0.5)
-        finally:
-            triton_attention.FUSE_DECODE_KV_WRITE = shipped
 
 
 def _call_every_kernel(dtype: torch.dtype) -> None:
@@ -148,26 +157,18 @@ def _call_every_kernel(dtype: torch.dtype) -> None:
     triton_ops.apply_rope(torch.empty(4, HEADS, HEAD_DIM, dtype=dtype), torch.empty(4, KV_HEADS, HEAD_DIM, dtype=dtype),
                           torch.zeros(4, dtype=torch.int64), cos, cos.clone())  # fmt: skip
     # Qwen3's q/k norm and rotation: all q heads in one program, and split over programs.
-    shipped_heads = triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM
     for per_program in (None, 8):
-        triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = per_program
-        try:
+        with _setting(triton_ops, "QK_NORM_Q_HEADS_PER_PROGRAM", per_program):
             triton_ops.qk_norm_rope(torch.empty(4, HEADS, HEAD_DIM, dtype=dtype),
                                     torch.empty(4, KV_HEADS, HEAD_DIM, dtype=dtype), torch.zeros(4, dtype=torch.int64),
                                     cos, cos.clone(), torch.empty(HEAD_DIM, dtype=dtype),
                                     torch.empty(HEAD_DIM, dtype=dtype), 1e-6, 1e-6)  # fmt: skip
-        finally:
-            triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = shipped_heads
     # A decode step's MoE pieces (Qwen3-30B-A3B: 128 experts, top 8): the router's tail on 4 warps
     # and on 1, the pairs' placement at 64 tokens, the one-row GEMV and its split-K merge.
     logits = torch.empty(64, 128, dtype=dtype)
-    shipped_warps = triton_router.ROUTE_NUM_WARPS
     for warps in (4, 1):
-        triton_router.ROUTE_NUM_WARPS = warps
-        try:
+        with _setting(triton_router, "ROUTE_NUM_WARPS", warps):
             triton_router.route(logits, 8, True, dtype)
-        finally:
-            triton_router.ROUTE_NUM_WARPS = shipped_warps
     triton_align.align_pairs(torch.zeros(64 * 8, dtype=torch.int64), 128, 16, 64 * 8 // 16 + 128)
     x1, router = torch.empty(1, 2048, dtype=dtype), torch.empty(128, 2048, dtype=dtype)
     triton_gemv.gemv(x1, router)
