@@ -27,6 +27,7 @@ from siesta.bench import fp8 as fp8_bench
 from siesta.bench import moe as moe_bench
 from siesta.bench.common import host_memory_gib, print_table, random_prompts, release_memory
 from siesta.bench.fidelity import summary_rows as fidelity_rows
+from siesta.bench.flops import MEASURED_MATMUL_FLOPS, mfu, prefill_flops
 from siesta.bench.gpu_tp import summary_rows as tensor_parallel_rows
 from siesta.bench.gpu_tp import tensor_parallel
 from siesta.bench.load_floor import DEFAULT_LINK_GBPS
@@ -43,8 +44,6 @@ from siesta.bench.weight_transfer import summary_rows as weight_transfer_rows
 from siesta.bench.weight_transfer import weight_transfer
 
 RESUME_NEW_TOKENS = 8  # the seed client's max_tokens
-BF16_PEAK_FLOPS = 989e12  # datasheet dense bf16; the measured matmul ceiling is ~774e12
-MEASURED_MATMUL_FLOPS = 774e12
 MIXED_REPS = 10
 TRACE_SLOW_STEPS = 3
 STEP_IO_REPS = 30
@@ -174,8 +173,7 @@ def prefill(args: argparse.Namespace) -> dict[str, Any]:
 
     res: dict[str, Any] = {}
     llm = make_llm(args, max_num_batched_tokens=max(args.prefill_lens), gpu_memory_utilization=0.85)
-    shape = llm.engine.runner.model.shape
-    params = sum(p.numel() for n, p in llm.engine.runner.model.named_parameters() if "embed" not in n)
+    model = llm.engine.runner.model
     vocab = llm.engine.vocab_size
     for n in args.prefill_lens:
         for rep in range(3):  # the first run compiles
@@ -185,9 +183,8 @@ def prefill(args: argparse.Namespace) -> dict[str, Any]:
             llm.generate({"prompt_token_ids": ps[0]}, SamplingParams(max_tokens=1), use_tqdm=False)
             sync()
             dt = time.perf_counter() - t0
-        attn_flops = 2 * 2 * shape.num_layers * shape.num_heads * shape.head_dim * n * n / 2
-        flops = 2 * params * n + attn_flops
-        res[f"tokens{n}"] = {"s": dt, "tok_s": n / dt, "mfu": flops / dt / BF16_PEAK_FLOPS,
+        flops = prefill_flops(model, n)
+        res[f"tokens{n}"] = {"s": dt, "tok_s": n / dt, "flops": flops, "mfu": mfu(flops, dt),
                              "of_measured_matmul": flops / dt / MEASURED_MATMUL_FLOPS}  # fmt: skip
     return res
 
