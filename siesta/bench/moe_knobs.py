@@ -24,6 +24,9 @@ this card's own sweep winners, and ``before`` takes them all back:
 - ``swept_pairs``: the one- and two-token expert kernels (``triton_moe.GATE_UP_PAIR_TILES``,
   ``DOWN_SUM_TILES``) on this card's winners of a sweep of ``PAIR_CANDIDATES`` at one token over
   the model's own experts, one kernel's tiles varied at a time, run here first;
+- ``l2_o_proj``: each layer's o_proj prefetched into L2 during its attention (``l2_prefetch``,
+  window ``o_proj``), at every batch timed;
+- ``l2_both``: that, and the next layer's q/k/v prefetched after o_proj (window ``next_qkv``);
 - ``before``: every choice as before run 64b.
 """
 
@@ -40,7 +43,7 @@ import torch
 from siesta.attention import triton_attention
 from siesta.bench.gemv import CANDIDATES, Shape, bench_shape, relative_error
 from siesta.bench.kernel_timing import time_call, weight_copies
-from siesta.model import triton_gemv, triton_moe, triton_ops, triton_router
+from siesta.model import l2_prefetch, triton_gemv, triton_moe, triton_ops, triton_router
 from siesta.model.triton_gemv import GemvConfig
 from siesta.model.triton_moe import PairTiles
 
@@ -51,6 +54,8 @@ PAIR_CANDIDATES = tuple(PairTiles(*t) for t in (
     (8, 256, 4, 4), (8, 512, 4, 3), (16, 128, 4, 6), (16, 256, 4, 5), (16, 512, 4, 3), (16, 512, 8, 4),
     (32, 256, 8, 3), (32, 128, 4, 4), (16, 256, 2, 4), (8, 128, 2, 6)))  # fmt: skip
 SMOKE_PAIR_CANDIDATES = (PairTiles(8, 64, 2, 2), PairTiles(16, 32, 4, 3))
+# The prefetch arms prefetch at every decode batch the part times (the bench reads where it pays).
+PREFETCH_ROWS = 256
 WRONG_ABOVE = 1e-2  # max |diff| over max |out| against the shipped tiles: another reduction's rounding
 # Each pair kernel's name in the sweep's record, and its tiles' name in ``triton_moe``.
 PAIR_KERNELS = {"gate_up": "GATE_UP_PAIR_TILES", "down_sum": "DOWN_SUM_TILES"}
@@ -67,6 +72,8 @@ class Knobs:
     gemv: str = "shipped"  # ONE_ROW_SHAPES: "shipped", "swept" (this card's winners) or "none"
     kv_fused: bool = False
     pairs: str = "shipped"  # the pair kernels' tiles: "shipped" or "swept"
+    prefetch_rows: int = 0  # l2_prefetch.MAX_ROWS
+    prefetch_windows: tuple[str, ...] = l2_prefetch.WINDOWS  # l2_prefetch.ENABLED
 
 
 # Every choice as it was before H100 run 64b turned the winners on.
@@ -76,7 +83,8 @@ BEFORE = Knobs(align_max_pairs=0, route_warps=4, qk_heads=None, gemv="none", kv_
 def shipped() -> Knobs:
     return Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
                  triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv="shipped",
-                 kv_fused=triton_attention.FUSE_DECODE_KV_WRITE)  # fmt: skip
+                 kv_fused=triton_attention.FUSE_DECODE_KV_WRITE, prefetch_rows=l2_prefetch.MAX_ROWS,
+                 prefetch_windows=l2_prefetch.ENABLED)  # fmt: skip
 
 
 def arms(base: Knobs) -> dict[str, Knobs]:
@@ -89,6 +97,8 @@ def arms(base: Knobs) -> dict[str, Knobs]:
         "swept_gemv": replace(base, gemv="swept"),
         "kv_write": replace(base, kv_fused=BEFORE.kv_fused),
         "swept_pairs": replace(base, pairs="swept"),
+        "l2_o_proj": replace(base, prefetch_rows=PREFETCH_ROWS, prefetch_windows=("o_proj",)),
+        "l2_both": replace(base, prefetch_rows=PREFETCH_ROWS, prefetch_windows=("o_proj", "next_qkv")),
         "before": BEFORE,
     }
 
@@ -100,7 +110,7 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
     ``pairs``: gate/up's and down-and-sum's), restored after."""
     saved = (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
              triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
-             triton_moe.DOWN_SUM_TILES)  # fmt: skip
+             triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED)  # fmt: skip
     triton_moe.ALIGN_KERNEL_MAX_PAIRS = knobs.align_max_pairs
     triton_router.ROUTE_NUM_WARPS = knobs.route_warps
     triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
@@ -108,12 +118,13 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
     triton_attention.FUSE_DECODE_KV_WRITE = knobs.kv_fused
     if knobs.pairs == "swept":
         triton_moe.GATE_UP_PAIR_TILES, triton_moe.DOWN_SUM_TILES = pairs
+    l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED = knobs.prefetch_rows, knobs.prefetch_windows
     try:
         yield
     finally:
         (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
          triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
-         triton_moe.DOWN_SUM_TILES) = saved  # fmt: skip
+         triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED) = saved  # fmt: skip
 
 
 def gemv_shapes(model: torch.nn.Module) -> list[Shape]:

@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from siesta.attention.base import AttentionBackend, AttentionMetadata, KVCache
-from siesta.model import llama_names
+from siesta.model import l2_prefetch, llama_names
 from siesta.model.interface import KVLayout, PiecewiseLayer, RoutingSink
+from siesta.model.l2_prefetch import NO_PREFETCH, NoPrefetch
 from siesta.model.layers import Embedding, Linear, MergedLinear, RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
 from siesta.model.registry import SUPPORTED_MODEL_TYPES, check_model_type
 from siesta.model.tensor_parallel import LocalShape, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
@@ -178,11 +179,15 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        prefetch: NoPrefetch = NO_PREFETCH,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` is the previous layer's output, not yet added to the ``residual`` stream
-        (None for the first layer): each add is fused with the norm that follows it."""
+        (None for the first layer): each add is fused with the norm that follows it.
+        ``prefetch``: the step's L2 prefetches (``l2_prefetch``), issued beside attention and
+        before the MLP."""
         q, k, v, residual = self.before_attention(x, residual, positions)
-        return self.after_attention(self.self_attn.attend(q, k, v, kv_cache, meta), residual)
+        prefetch.during_attention(self.self_attn.layer_idx)
+        return self.after_attention(self.self_attn.attend(q, k, v, kv_cache, meta), residual, prefetch)
 
     # The two halves around attention: CUDA graphs of mixed batches capture everything but
     # attention (``siesta.core.piecewise_graphs``), which runs between them.
@@ -208,9 +213,12 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         return self.self_attn.attend(q, k, v, kv_cache, meta, out=out)
 
-    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_attention(
+        self, attn_out: torch.Tensor, residual: torch.Tensor, prefetch: NoPrefetch = NO_PREFETCH
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's output (not yet added to the residual stream) and the residual stream."""
         h = self.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        prefetch.before_mlp(self.self_attn.layer_idx)
         h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
         return self.mlp(h), residual
 
@@ -318,11 +326,15 @@ class CausalLM(nn.Module):
         rows alone: a prompt chunk's other rows feed only the cache. The rows not kept are NaN,
         so that a reader of one fails loudly."""
         x, residual = self.model.embed_tokens(input_ids), None
+        prefetch = l2_prefetch.for_step(self.model.layers, input_ids.shape[0], input_ids.device)
         *layers, last = self.model.layers
         for layer in layers:
-            x, residual = layer(x, residual, positions, kv_cache, meta)
+            x, residual = layer(x, residual, positions, kv_cache, meta, prefetch)
         if keep is None:
-            return self.final_norm(*last(x, residual, positions, kv_cache, meta))
+            hidden = self.final_norm(*last(x, residual, positions, kv_cache, meta, prefetch))
+            prefetch.join()
+            return hidden
+        prefetch.join()
         q, k, v, residual = last.before_attention(x, residual, positions)
         attn = last.self_attn.attend(q, k, v, kv_cache, meta)
         hidden = residual.new_full(residual.shape, float("nan"), dtype=self.hidden_dtype(residual.dtype))

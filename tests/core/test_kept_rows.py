@@ -26,10 +26,10 @@ def _generate(monkeypatch: pytest.MonkeyPatch, keep: bool, params: list[Sampling
     last = llm.engine.source.hf_config.num_hidden_layers - 1
     tail_rows: list[int] = []
 
-    def counting(self, attn_out, residual):
+    def counting(self, attn_out, residual, *rest):  # rest: the step's L2 prefetches, when a forward passes them
         if self.self_attn.layer_idx == last:
             tail_rows.append(attn_out.shape[0])
-        return AFTER_ATTENTION(self, attn_out, residual)
+        return AFTER_ATTENTION(self, attn_out, residual, *rest)
 
     monkeypatch.setattr(llama.DecoderLayer, "after_attention", counting)
     gen = torch.Generator().manual_seed(3)
