@@ -143,6 +143,10 @@ def _call_every_attention_kernel(dtype: torch.dtype, kv_dtype: torch.dtype) -> N
             for backend in (TritonAttention(decode_splits=1), TritonAttention()):
                 q, k, v, cache, meta = _batch(decode, dtype, kv_dtype)
                 backend.forward(q, k, v, cache, 0, meta, HEAD_DIM**-0.5)
+    # Split decode whose last program to finish merges the splits (the arrival count's atomics).
+    with _setting(triton_attention, "FUSE_DECODE_MERGE", True):
+        q, k, v, cache, meta = _batch(decode, dtype, kv_dtype)
+        TritonAttention().forward(q, k, v, cache, 0, meta, HEAD_DIM**-0.5)
 
 
 def _call_every_kernel(dtype: torch.dtype) -> None:

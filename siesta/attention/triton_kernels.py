@@ -525,6 +525,8 @@ def decode_split_kernel(
     stride_k_new_head,
     stride_v_new_token,
     stride_v_new_head,
+    # The fused merge (read only under FUSED_MERGE): a zeroed int32 counter a (request, KV head).
+    merge_counter_ptr,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -539,6 +541,8 @@ def decode_split_kernel(
     FP8_MIN_EXPONENT: tl.constexpr,
     FP8_MAX_VALUE: tl.constexpr,
     KV_FP8: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False,
+    BLOCK_S: tl.constexpr = 1,  # the fused merge's split tile (``reduce_splits_kernel``'s)
     USE_PDL: tl.constexpr = False,
 ):
     pdl.wait_for_previous_grid(USE_PDL)
@@ -577,9 +581,34 @@ def decode_split_kernel(
         # Partials are [num_reqs, NUM_Q_HEADS, num_splits, HEAD_DIM]; lse drops the last dim.
         part_row = (req * NUM_Q_HEADS + kv_head * GROUP + offs_h).to(tl.int64) * num_splits + split
         _store_partials(part_out_ptr, part_lse_ptr, part_row, acc, m_i, l_i, offs_h < GROUP, HEAD_DIM, BLOCK_D)
+        if FUSED_MERGE:
+            _merge_if_last(part_out_ptr, part_lse_ptr, out_ptr, merge_counter_ptr, req, token, kv_head, num_splits,
+                           stride_o_token, stride_o_head, NUM_Q_HEADS, HEAD_DIM, BLOCK_D, GROUP, BLOCK_S)  # fmt: skip
     else:
         _store_heads(out_ptr, token, kv_head, _normalize(acc, l_i), stride_o_token, stride_o_head,
                      HEAD_DIM, BLOCK_D, GROUP, BLOCK_H)  # fmt: skip
+
+
+@triton.jit
+def _merge_if_last(part_out_ptr, part_lse_ptr, out_ptr, merge_counter_ptr, req, token, kv_head, num_splits,
+                   stride_o_token, stride_o_head, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr):  # fmt: skip
+    """The fused merge: each split's program counts itself in on its (request, KV head); the
+    last of them merges the GROUP heads' partials as ``reduce_splits_kernel`` does (one head at
+    a time, the same arithmetic) and sets the count back to zero for the next launch.
+
+    The barrier puts every thread's partial stores before the arrival, whose release (gpu scope)
+    publishes them; the last program's acquire, then its L2 reads, see every split's."""
+    tl.debug_barrier()
+    counter = merge_counter_ptr + req * (NUM_Q_HEADS // GROUP) + kv_head
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        for h in tl.static_range(GROUP):
+            head = kv_head * GROUP + h
+            dst = out_ptr + token.to(tl.int64) * stride_o_token + head * stride_o_head
+            _merge_row(part_out_ptr, part_lse_ptr, (req.to(tl.int64) * NUM_Q_HEADS + head) * num_splits, num_splits,
+                       dst, HEAD_DIM, BLOCK_S, BLOCK_D, True)  # fmt: skip
+        tl.store(counter, 0)
 
 
 @triton.jit
@@ -634,19 +663,35 @@ def reduce_splits_kernel(
         token = tl.load(query_start_loc_ptr + row)
         if tl.load(query_start_loc_ptr + row + 1) - token != 1:
             return
+    dst = out_ptr + token.to(tl.int64) * stride_o_token + head * stride_o_head
+    _merge_row(part_out_ptr, part_lse_ptr, (row.to(tl.int64) * NUM_Q_HEADS + head) * num_splits, num_splits, dst,
+               HEAD_DIM, BLOCK_S, BLOCK_D, False)  # fmt: skip
+
+
+@triton.jit
+def _merge_row(part_out_ptr, part_lse_ptr, first_part, num_splits, dst_ptr, HEAD_DIM: tl.constexpr,
+               BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PAST_L1: tl.constexpr):  # fmt: skip
+    """One head's ``num_splits`` partials (rows ``first_part`` on) merged through their
+    log-sum-exp and stored at ``dst_ptr``. ``PAST_L1``: read them from L2, where other SMs'
+    programs wrote them in this launch (this SM's L1 may hold an earlier layer's lines)."""
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
-    part_row = (row.to(tl.int64) * NUM_Q_HEADS + head) * num_splits + offs_s
-    lse = tl.load(part_lse_ptr + part_row, mask=s_mask, other=float("-inf"))
+    part_row = first_part + offs_s
+    lse_ptrs = part_lse_ptr + part_row
+    out_ptrs = part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :]
+    out_mask = s_mask[:, None] & d_mask[None, :]
+    if PAST_L1:
+        lse = tl.load(lse_ptrs, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+        parts = tl.load(out_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+    else:
+        lse = tl.load(lse_ptrs, mask=s_mask, other=float("-inf"))
+        parts = tl.load(out_ptrs, mask=out_mask, other=0.0)
     lse_max = tl.max(lse, 0)
     # All splits empty only for a zero-length padding row; keep its weights finite.
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.exp2(lse - lse_max)
-    parts = tl.load(part_out_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
     total = tl.sum(weights, 0)
     merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    dst = out_ptr + token.to(tl.int64) * stride_o_token + head * stride_o_head + offs_d
-    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(dst_ptr + offs_d, merged.to(dst_ptr.dtype.element_ty), mask=d_mask)

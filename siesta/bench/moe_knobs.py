@@ -24,6 +24,8 @@ this card's own sweep winners, and ``before`` takes them all back:
 - ``swept_pairs``: the one- and two-token expert kernels (``triton_moe.GATE_UP_PAIR_TILES``,
   ``DOWN_SUM_TILES``) on this card's winners of a sweep of ``PAIR_CANDIDATES`` at one token over
   the model's own experts, one kernel's tiles varied at a time, run here first;
+- ``fused_merge``: split decode steps merged by the last split's program, not by the merge
+  kernel's launch (``triton_attention.FUSE_DECODE_MERGE``);
 - ``l2_o_proj``: each layer's o_proj prefetched into L2 during its attention (``l2_prefetch``,
   window ``o_proj``), at every batch timed;
 - ``l2_both``: that, and the next layer's q/k/v prefetched after o_proj (window ``next_qkv``);
@@ -72,6 +74,7 @@ class Knobs:
     gemv: str = "shipped"  # ONE_ROW_SHAPES: "shipped", "swept" (this card's winners) or "none"
     kv_fused: bool = False
     pairs: str = "shipped"  # the pair kernels' tiles: "shipped" or "swept"
+    merge_fused: bool = False  # triton_attention.FUSE_DECODE_MERGE
     prefetch_rows: int = 0  # l2_prefetch.MAX_ROWS
     prefetch_windows: tuple[str, ...] = l2_prefetch.WINDOWS  # l2_prefetch.ENABLED
 
@@ -83,7 +86,8 @@ BEFORE = Knobs(align_max_pairs=0, route_warps=4, qk_heads=None, gemv="none", kv_
 def shipped() -> Knobs:
     return Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
                  triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv="shipped",
-                 kv_fused=triton_attention.FUSE_DECODE_KV_WRITE, prefetch_rows=l2_prefetch.MAX_ROWS,
+                 kv_fused=triton_attention.FUSE_DECODE_KV_WRITE, merge_fused=triton_attention.FUSE_DECODE_MERGE,
+                 prefetch_rows=l2_prefetch.MAX_ROWS,
                  prefetch_windows=l2_prefetch.ENABLED)  # fmt: skip
 
 
@@ -97,6 +101,7 @@ def arms(base: Knobs) -> dict[str, Knobs]:
         "swept_gemv": replace(base, gemv="swept"),
         "kv_write": replace(base, kv_fused=BEFORE.kv_fused),
         "swept_pairs": replace(base, pairs="swept"),
+        "fused_merge": replace(base, merge_fused=True),
         "l2_o_proj": replace(base, prefetch_rows=PREFETCH_ROWS, prefetch_windows=("o_proj",)),
         "l2_both": replace(base, prefetch_rows=PREFETCH_ROWS, prefetch_windows=("o_proj", "next_qkv")),
         "before": BEFORE,
@@ -110,7 +115,8 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
     ``pairs``: gate/up's and down-and-sum's), restored after."""
     saved = (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
              triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
-             triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED)  # fmt: skip
+             triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED,
+             triton_attention.FUSE_DECODE_MERGE)  # fmt: skip
     triton_moe.ALIGN_KERNEL_MAX_PAIRS = knobs.align_max_pairs
     triton_router.ROUTE_NUM_WARPS = knobs.route_warps
     triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
@@ -119,12 +125,14 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
     if knobs.pairs == "swept":
         triton_moe.GATE_UP_PAIR_TILES, triton_moe.DOWN_SUM_TILES = pairs
     l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED = knobs.prefetch_rows, knobs.prefetch_windows
+    triton_attention.FUSE_DECODE_MERGE = knobs.merge_fused
     try:
         yield
     finally:
         (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
          triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
-         triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED) = saved  # fmt: skip
+         triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED,
+         triton_attention.FUSE_DECODE_MERGE) = saved  # fmt: skip
 
 
 def gemv_shapes(model: torch.nn.Module) -> list[Shape]:

@@ -560,3 +560,39 @@ def test_a_decode_step_that_writes_its_kv_in_the_split_kernel(num_splits, block_
         assert len(write_calls) == (0 if fused else 1)
     assert torch.equal(caches[0], caches[1])
     assert torch.equal(outs[0][[0, 2, 3, 4]], outs[1][[0, 2, 3, 4]])
+
+
+@pytest.mark.parametrize("num_splits", [2, 8])
+@pytest.mark.parametrize(("specs", "decode_splits_in_mixed"), [
+    ([(0, 1), (5, 1), (300, 1), (130, 1), (17, 1)], None),  # decode only: with 8 splits some ranges are empty
+    ([(200, 1), (0, 37), (3, 1), (90, 20), (0, 1)], 1),  # a mixed batch's decode rows (prefill programs never arrive)
+])  # fmt: skip
+@pytest.mark.parametrize("block_size,head_dim,group,dtype", [(16, 128, 4, torch.float16), (32, 64, 2, torch.float32)])
+def test_the_last_split_to_finish_merges_with_the_merge_kernels_bits(num_splits, specs, decode_splits_in_mixed,
+                                                                    block_size, head_dim, group, dtype, launch_grids,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``FUSE_DECODE_MERGE``: one merge launch fewer a split decode launch, the same output bits
+    as with it, the oracles' result, and every arrival counter back at zero for the next launch
+    (two layers run, one after the other)."""
+    from siesta.attention import triton_attention, triton_kernels
+
+    outs, merges = [], []
+    for fused in (False, True):
+        monkeypatch.setattr(triton_attention, "FUSE_DECODE_MERGE", fused)
+        monkeypatch.setattr(triton_attention, "_merge_counters", {})
+        merge_grids = launch_grids(triton_kernels, "reduce_splits_kernel")
+        split_grids = launch_grids(triton_kernels, "decode_split_kernel")
+        batch = make_batch(specs, group, head_dim, block_size, dtype, seed=23)
+        backend = TritonAttention(decode_splits=num_splits, mixed_decode_min_splits=decode_splits_in_mixed)
+        for layer in (0, LAYER):
+            out = poisoned_like(batch.q)
+            backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, layer, batch.meta, batch.scale, out=out)
+        outs.append(out)
+        split_launches = sum(grid[2] > 1 for grid in split_grids)
+        assert split_launches == 2  # both layers split their decode rows: the case under test
+        merges.append(len(merge_grids))
+        if fused:
+            assert triton_attention._merge_counters[DEVICE].count_nonzero() == 0
+    assert merges[1] == merges[0] - split_launches
+    check_against_oracles(batch, backend, outs[1])
+    assert torch.equal(outs[0], outs[1])
