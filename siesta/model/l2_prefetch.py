@@ -93,8 +93,9 @@ def prefetch(weight: torch.Tensor, evict_last: bool, max_bytes: int = MAX_BYTES,
     return sums
 
 
-class NoPrefetch:
-    """A step that prefetches nothing (the CPU, larger steps, the knob off)."""
+class Prefetches:
+    """What a forward's layers call at each window; this one issues nothing (the CPU, larger
+    steps, the knob off)."""
 
     def during_attention(self, layer: int) -> None:
         pass
@@ -106,10 +107,10 @@ class NoPrefetch:
         pass
 
 
-NO_PREFETCH = NoPrefetch()
+NO_PREFETCH = Prefetches()
 
 
-class StepPrefetch(NoPrefetch):
+class StepPrefetch(Prefetches):
     """One forward's prefetches over ``layers`` (decoder layers: ``self_attn.o_proj`` and
     ``self_attn.qkv_proj``), issued on ``stream`` after what the step has queued so far."""
 
@@ -154,7 +155,7 @@ def _side_stream(index: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=index)
 
 
-def for_step(layers: Sequence[nn.Module], rows: int, device: torch.device) -> NoPrefetch:
+def for_step(layers: Sequence[nn.Module], rows: int, device: torch.device) -> Prefetches:
     """The prefetches of a forward of ``rows`` rows over ``layers``: none unless ``wanted``."""
     if not wanted(rows, device):
         return NO_PREFETCH

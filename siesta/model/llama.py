@@ -23,7 +23,7 @@ from torch import nn
 from siesta.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from siesta.model import l2_prefetch, llama_names
 from siesta.model.interface import KVLayout, PiecewiseLayer, RoutingSink
-from siesta.model.l2_prefetch import NO_PREFETCH, NoPrefetch
+from siesta.model.l2_prefetch import NO_PREFETCH, Prefetches
 from siesta.model.layers import Embedding, Linear, MergedLinear, RMSNorm, RotaryEmbedding, rope_parameters, silu_and_mul
 from siesta.model.registry import SUPPORTED_MODEL_TYPES, check_model_type
 from siesta.model.tensor_parallel import LocalShape, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
@@ -179,7 +179,7 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-        prefetch: NoPrefetch = NO_PREFETCH,
+        prefetch: Prefetches = NO_PREFETCH,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` is the previous layer's output, not yet added to the ``residual`` stream
         (None for the first layer): each add is fused with the norm that follows it.
@@ -214,7 +214,7 @@ class DecoderLayer(nn.Module):
         return self.self_attn.attend(q, k, v, kv_cache, meta, out=out)
 
     def after_attention(
-        self, attn_out: torch.Tensor, residual: torch.Tensor, prefetch: NoPrefetch = NO_PREFETCH
+        self, attn_out: torch.Tensor, residual: torch.Tensor, prefetch: Prefetches = NO_PREFETCH
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's output (not yet added to the residual stream) and the residual stream."""
         h = self.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))

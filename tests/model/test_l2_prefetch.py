@@ -9,7 +9,7 @@ import torch
 
 from siesta import LLM, SamplingParams
 from siesta.model import l2_prefetch
-from siesta.model.l2_prefetch import LINE_BYTES, LINES_PER_ITERATION, NoPrefetch, StepPrefetch
+from siesta.model.l2_prefetch import LINE_BYTES, LINES_PER_ITERATION, StepPrefetch
 
 CUDA = torch.device("cuda")
 
@@ -101,11 +101,6 @@ def test_a_step_prefetches_each_layers_o_proj_then_the_next_layers_qkv(windows, 
 def _key(entry: tuple) -> tuple:
     """A recorded entry with its weight by identity: the very parameter, not an equal tensor."""
     return entry if entry[0] == "join" else ("issue", id(entry[1]), entry[2])
-
-
-def test_nothing_prefetched_is_a_no_op() -> None:
-    none = NoPrefetch()
-    none.during_attention(0), none.before_mlp(0), none.join()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="L2 prefetches need a card (bench/gpu.sh runs it)")
