@@ -28,7 +28,6 @@ interpreter by loading each line's first byte instead (``BY_ASM`` false), which 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -150,9 +149,16 @@ def _capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= MIN_CAPABILITY
 
 
-@functools.cache
-def _side_stream(index: int) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device=index)
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(index: int) -> torch.cuda.Stream | None:
+    """The device's prefetch stream, made outside any capture (the decode graphs' warm-up runs
+    a step eagerly first); None if a capture would have to make it."""
+    stream = _side_streams.get(index)
+    if stream is None and not torch.cuda.is_current_stream_capturing():
+        stream = _side_streams[index] = torch.cuda.Stream(device=index)
+    return stream
 
 
 def for_step(layers: Sequence[nn.Module], rows: int, device: torch.device) -> Prefetches:
@@ -162,5 +168,5 @@ def for_step(layers: Sequence[nn.Module], rows: int, device: torch.device) -> Pr
     unknown = set(ENABLED) - set(WINDOWS)
     if unknown:
         raise ValueError(f"l2_prefetch.ENABLED: unknown windows {sorted(unknown)}; they are {WINDOWS}")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return StepPrefetch(layers, _side_stream(index), tuple(ENABLED))
+    stream = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return NO_PREFETCH if stream is None else StepPrefetch(layers, stream, tuple(ENABLED))
