@@ -592,7 +592,7 @@ def test_the_last_split_to_finish_merges_with_the_merge_kernels_bits(num_splits,
         assert split_launches == 2  # both layers split their decode rows: the case under test
         merges.append(len(merge_grids))
         if fused:
-            assert triton_attention._merge_counters[DEVICE].count_nonzero() == 0
+            assert triton_attention._merge_counters[batch.q.device].count_nonzero() == 0
     assert merges[1] == merges[0] - split_launches
     check_against_oracles(batch, backend, outs[1])
     assert torch.equal(outs[0], outs[1])
