@@ -124,8 +124,13 @@ def in_flight_waits(ttgir: str) -> int:
 
 def _attention_arg_types(fn: Any, kv: str, q: str) -> tuple[dict[str, str], tuple[str, ...]]:
     """Runtime argument types of the attention kernels, read off their parameter names."""
+    import triton.language as tl
+
     types: dict[str, str] = {}
-    for name in inspect.signature(fn.fn).parameters:
+    for name, param in inspect.signature(fn.fn).parameters.items():
+        constexpr = param.annotation is tl.constexpr or param.annotation in ("tl.constexpr", "triton.language.constexpr")
+        if constexpr and param.default is not inspect.Parameter.empty:
+            continue  # a switch with a default (the fused merge, PDL): compiled at it, not as a runtime branch
         if name.startswith(("k_cache", "v_cache")):
             types[name] = f"*{kv}"
         elif name.startswith(("query_start", "seq_lens", "block_tables")):
