@@ -75,7 +75,9 @@ def decode(llm, batches: list[int], context: int, steps: int) -> dict[str, Any]:
     shape = model.shape
     sizes = _model_bytes(model)
     hidden = shape.hidden_size
-    per_expert = sizes["experts"] // (len(shape.sparse_layers) * shape.num_experts)
+    # A dense model (the knobs part's dense A/B) reads no experts.
+    sparse_layers, experts = len(getattr(shape, "sparse_layers", ())), getattr(shape, "num_experts", 0)
+    per_expert = sizes["experts"] // (sparse_layers * experts) if experts else 0
     kv_per_token = llm.engine.runner.kv_cache.block_bytes // llm.config.cache.block_size
     bandwidth = hbm_bytes_per_s()
     res: dict[str, Any] = {"bytes": sizes, "bytes_per_expert": per_expert, "hbm_bytes_per_s": bandwidth}
@@ -85,8 +87,8 @@ def decode(llm, batches: list[int], context: int, steps: int) -> dict[str, Any]:
         except BatchDoesNotFit as e:
             res[f"batch{b}"] = {"skipped": str(e)}
             continue
-        touched = expected_experts_touched(b, shape.num_experts, shape.top_k)
-        step_bytes = (sizes["dense"] + b * hidden * 2 + len(shape.sparse_layers) * touched * per_expert
+        touched = expected_experts_touched(b, experts, shape.top_k) if experts else 0.0
+        step_bytes = (sizes["dense"] + b * hidden * 2 + sparse_layers * touched * per_expert
                       + b * context * kv_per_token)  # fmt: skip
         floor = step_bytes / bandwidth
         res[f"batch{b}"] = {"step_ms": dt * 1e3, "tok_s": b / dt, "experts_touched_per_layer": touched,

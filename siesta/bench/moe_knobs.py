@@ -2,6 +2,11 @@
 choices, A/B on one engine.
 
     bench/gpu.sh --sections moe --moe-parts knobs
+    bench/gpu.sh --sections moe --moe-parts knobs --moe-model random:llama-3-8b   # a dense model
+
+On a dense model the choices it shares with the MoE (the GEMV table, the fused K/V write and
+merge, the L2 prefetches) are A/B'd the same way; the expert arms change nothing there, and the
+pair sweep is skipped.
 
 Each arm is a set of module settings (``Knobs``). The decode graphs are captured again at every
 switch (as ``moe.pdl_ab`` does), the arms run in turn ``rounds`` times (the machine's drift shows
@@ -178,6 +183,8 @@ def pair_sweep(model: torch.nn.Module, candidates: tuple[PairTiles, ...] = PAIR_
     random experts of layer ``i``, so the cycle reads HBM). Each kernel's winner among the
     candidates whose output is the shipped tiles' (to another reduction's rounding)."""
     layers = _experts(model)
+    if not layers:  # a dense model: the knobs part A/Bs its decode all the same
+        return {"skipped": "the model has no experts"}
     gate_up, down = layers[0]
     experts, hidden = gate_up.shape[0], gate_up.shape[2]
     top_k = top_k or min(8, experts)
@@ -216,8 +223,8 @@ def pair_sweep(model: torch.nn.Module, candidates: tuple[PairTiles, ...] = PAIR_
 
 def _pair_winners(swept: dict[str, Any]) -> tuple[PairTiles, PairTiles]:
     """(gate/up's, down-and-sum's) winners of ``pair_sweep``, the shipped tile where none ran."""
-    return tuple(PairTiles(**swept[kernel]["best"]["tiles"]) if swept[kernel]["best"] else getattr(triton_moe, name)
-                 for kernel, name in PAIR_KERNELS.items())  # fmt: skip
+    return tuple(PairTiles(**swept[kernel]["best"]["tiles"]) if (swept.get(kernel) or {}).get("best")
+                 else getattr(triton_moe, name) for kernel, name in PAIR_KERNELS.items())  # fmt: skip
 
 
 def run(llm, batches: list[int], context: int, steps: int, rounds: int = ROUNDS,
@@ -233,7 +240,7 @@ def run(llm, batches: list[int], context: int, steps: int, rounds: int = ROUNDS,
     llm.engine.memory.backup.settle()
     swept = sweep(runner.model, candidates)
     tuned = swept.pop("tuned")
-    pairs_swept = pair_sweep(runner.model, pair_candidates, runner.model.shape.top_k)
+    pairs_swept = pair_sweep(runner.model, pair_candidates, getattr(runner.model.shape, "top_k", None))
     pairs = _pair_winners(pairs_swept)
     knobs = arms(shipped())
     steps_ms: dict[str, dict[str, list[float]]] = {name: {} for name in knobs}

@@ -119,3 +119,19 @@ def test_the_pair_sweep_times_each_kernels_tiles_and_picks_a_winner_that_agrees(
         assert _same([PairTiles(**r["tiles"]) for r in rows], [shipped, *moe_knobs.SMOKE_PAIR_CANDIDATES])
         assert rows[0]["rel_err"] == 0.0 and all(r["rel_err"] < 1e-5 and r["us"] > 0 for r in rows)  # fp32
         assert out[kernel]["best"]["us"] == min(r["us"] for r in rows)
+
+
+def test_a_dense_model_runs_every_arm_without_a_pair_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The part on a dense model (Llama): the choices it shares with the MoE (the GEMV table, the
+    fused KV write and merge, the L2 prefetches) are A/B'd the same way; there are no experts to
+    sweep, and the decode roofline counts no expert bytes."""
+    dense = siesta.LLM("random:tiny-llama", dtype="float32", max_model_len=256, device="cpu")
+    monkeypatch.setattr(dense.engine.runner, "recapture_graphs", lambda decode_only=False: None)
+    monkeypatch.setattr(moe_knobs, "GEMV_WEIGHTS", ("o_proj.weight",))
+    out = moe_knobs.run(dense, [1], 16, 2, rounds=1, candidates=gemv_bench.SMOKE_CANDIDATES[:1],
+                        pair_candidates=moe_knobs.SMOKE_PAIR_CANDIDATES)  # fmt: skip
+    assert out["pair_sweep"] == {"skipped": "the model has no experts"} and not out["errors"]
+    assert _same(tuple(PairTiles(**out["pairs"][k]) for k in ("gate_up", "down_sum")), _pair_tiles())
+    assert set(out["batch1"]) == set(moe_knobs.arms(moe_knobs.shipped()))
+    decoded = __import__("siesta.bench.moe", fromlist=["decode"]).decode(dense, [1], 16, 2)["batch1"]
+    assert decoded["experts_touched_per_layer"] == 0.0 and decoded["of_roofline"] > 0
