@@ -17,7 +17,8 @@ At most ``MAX_BYTES`` of a tensor (its leading rows, the ones the GEMV's first p
 prefetched. A prefetch is a hint: nothing is read into registers and nothing is written, so no
 result depends on it, and the side stream needs no join before the weight's reader. It joins the
 step once at the end of the forward, which CUDA graph capture requires; the piecewise graphs'
-pieces never fork (they call the layer's halves, not its ``forward``). Others measured the same
+pieces never fork (they call the layer's halves, not its ``forward``). Prefetches go into CUDA
+graphs only: an eager step would pay two Triton launches a layer on the host. Others measured the same
 idea on other cards: +7 % batch-1 decode steps with ``cp.async.bulk.prefetch.L2`` on an RTX PRO
 6000 (a vLLM fork's GLM-5 path), +3.7 % with ``prefetch.global.L2`` on an RTX 5090.
 
@@ -35,7 +36,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
-# Decode steps of at most this many rows prefetch (0: none). The knobs bench sets it per arm.
+# Decode steps of at most this many rows prefetch (0: none), in the graphs captured from then on.
+# The knobs bench sets it per arm.
 MAX_ROWS = 0
 # The windows used, of ``WINDOWS``.
 ENABLED: tuple[str, ...] = ("o_proj", "next_qkv")
@@ -140,7 +142,8 @@ class StepPrefetch(Prefetches):
 
 
 def wanted(rows: int, device: torch.device) -> bool:
-    """Whether a step of ``rows`` rows on ``device`` prefetches."""
+    """Whether a step of ``rows`` rows on ``device`` may prefetch (``for_step`` adds: only into a
+    CUDA graph being captured)."""
     return 0 < rows <= MAX_ROWS and bool(ENABLED) and device.type == "cuda" and _capable(device)
 
 
@@ -153,20 +156,23 @@ _side_streams: dict[int, torch.cuda.Stream] = {}
 
 
 def _side_stream(index: int) -> torch.cuda.Stream | None:
-    """The device's prefetch stream, made outside any capture (the decode graphs' warm-up runs
-    a step eagerly first); None if a capture would have to make it."""
-    stream = _side_streams.get(index)
-    if stream is None and not torch.cuda.is_current_stream_capturing():
-        stream = _side_streams[index] = torch.cuda.Stream(device=index)
-    return stream
+    """The device's prefetch stream; made only outside a capture, where creating one is safe."""
+    if index not in _side_streams and not torch.cuda.is_current_stream_capturing():
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams.get(index)
 
 
 def for_step(layers: Sequence[nn.Module], rows: int, device: torch.device) -> Prefetches:
-    """The prefetches of a forward of ``rows`` rows over ``layers``: none unless ``wanted``."""
+    """The prefetches of a forward of ``rows`` rows over ``layers``: none unless ``wanted``, and
+    only into a CUDA graph being captured (replayed at no host cost): an eager step would pay two
+    Triton launches a layer on the host, more than a small step's prefetches could win. The eager
+    warm-up before each capture makes the side stream."""
     if not wanted(rows, device):
         return NO_PREFETCH
     unknown = set(ENABLED) - set(WINDOWS)
     if unknown:
         raise ValueError(f"l2_prefetch.ENABLED: unknown windows {sorted(unknown)}; they are {WINDOWS}")
     stream = _side_stream(device.index if device.index is not None else torch.cuda.current_device())
-    return NO_PREFETCH if stream is None else StepPrefetch(layers, stream, tuple(ENABLED))
+    if stream is None or not torch.cuda.is_current_stream_capturing():
+        return NO_PREFETCH
+    return StepPrefetch(layers, stream, tuple(ENABLED))

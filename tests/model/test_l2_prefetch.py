@@ -106,8 +106,9 @@ def _key(entry: tuple) -> tuple:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="L2 prefetches need a card (bench/gpu.sh runs it)")
 @pytest.mark.parametrize("model", ["random:tiny-qwen3-moe", "random:tiny-llama"])
 def test_the_same_tokens_and_logprobs_with_prefetches_on(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through the decode graphs (batch 1 and 3) and eager steps: a prefetch is a cache hint, so
-    any other bits would mean a fork or a join in the wrong place."""
+    """Through the decode graphs (batch 1 and 3), where the prefetches go, and eager steps, which
+    issue none: a prefetch is a cache hint, so other bits would mean a fork or a join in the
+    wrong place."""
     prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 7 * i))} for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
     runs = []
