@@ -47,6 +47,15 @@ def test_only_small_cuda_steps_prefetch_and_only_with_the_knob_on(monkeypatch: p
     assert not l2_prefetch.wanted(9, CUDA) and not l2_prefetch.wanted(0, CUDA)
     assert not l2_prefetch.wanted(1, torch.device("cpu"))
     assert l2_prefetch.for_step([], 1, torch.device("cpu")) is l2_prefetch.NO_PREFETCH
+    # Only into a graph being captured: an eager step prefetches nothing.
+    capturing = [False]
+    monkeypatch.setattr(l2_prefetch.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(l2_prefetch, "_side_stream", lambda index: "side stream")
+    monkeypatch.setattr(l2_prefetch.torch.cuda, "current_device", lambda: 0)
+    assert l2_prefetch.for_step([], 1, CUDA) is l2_prefetch.NO_PREFETCH
+    capturing[0] = True
+    step = l2_prefetch.for_step([], 1, CUDA)
+    assert isinstance(step, StepPrefetch) and step.stream == "side stream" and step.windows == l2_prefetch.ENABLED
     monkeypatch.setattr(l2_prefetch, "ENABLED", ())
     assert not l2_prefetch.wanted(1, CUDA)
 
