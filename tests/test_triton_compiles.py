@@ -32,11 +32,19 @@ if not os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available():
 from siesta.attention import triton_attention  # noqa: E402
 from siesta.attention.base import AttentionMetadata, KVCache  # noqa: E402
 from siesta.attention.triton_attention import TritonAttention  # noqa: E402
-from siesta.model import l2_prefetch, triton_align, triton_gemv, triton_matmul, triton_ops, triton_router  # noqa: E402
+from siesta.model import (  # noqa: E402
+    l2_prefetch,
+    triton_align,
+    triton_gemv,
+    triton_matmul,
+    triton_moe,
+    triton_ops,
+    triton_router,
+)
 
 KERNEL_MODULES = ("siesta.attention.triton_kernels", "siesta.attention.triton_kv_write", "siesta.model.triton_ops",
                   "siesta.model.triton_matmul", "siesta.model.triton_align", "siesta.model.triton_router",
-                  "siesta.model.triton_gemv", "siesta.model.l2_prefetch")  # fmt: skip
+                  "siesta.model.triton_gemv", "siesta.model.l2_prefetch", "siesta.model.triton_moe")  # fmt: skip
 # Host choices that differ on CUDA from a CPU call: compile what the GPU runs.
 CUDA_CONSTEXPRS = {"MEAN_BY_DIVISION": False, "USE_LIBDEVICE": True, "BY_ASM": True}
 TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size
@@ -182,6 +190,14 @@ def _call_every_kernel(dtype: torch.dtype) -> None:
             triton_gemv.gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
     triton_gemv.gemv(x1, torch.empty(256, 2048, dtype=dtype))
     triton_gemv.gemv(x1, router, config=triton_gemv.GemvConfig(4, 512, 4, 3, split_k=4))
+    # One token's experts (Qwen3-30B-A3B's shapes, 16 experts stand in for 128): gate/up a pair,
+    # then down-and-sum a token, or split over its experts with the last to arrive summing.
+    if dtype.itemsize == 2:
+        x1, ids = torch.empty(1, 2048, dtype=dtype), torch.arange(8).view(1, 8)
+        experts = (torch.empty(16, 2 * 768, 2048, dtype=dtype), torch.empty(16, 2048, 768, dtype=dtype))
+        for split in (False, True):
+            with _setting(triton_moe, "DOWN_SUM_SPLIT", split):
+                triton_moe._fused_moe_pairs(x1, torch.empty(1, 8, dtype=dtype), ids, *experts)
     # L2 prefetches of an o_proj (normal priority) and a q/k/v projection (evict_last): the PTX.
     for evict_last in (False, True):
         l2_prefetch.prefetch(torch.empty(2048, 4096, dtype=dtype), evict_last)
@@ -222,7 +238,8 @@ def test_every_kernel_compiles_for_sm90(launches: list[dict]) -> None:
     expected = {"unified_kernel", "prefill_split_kernel", "decode_split_kernel", "reduce_splits_kernel",
                 "_write_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel",
                 "_matmul_kernel", "_qk_norm_rope_kernel", "_route_kernel", "_align_kernel", "_gemv_kernel",
-                "_split_k_reduce_kernel", "_prefetch_kernel"}  # fmt: skip
+                "_split_k_reduce_kernel", "_prefetch_kernel", "_gate_up_pair_kernel", "_down_sum_kernel",
+                "_down_pair_kernel"}  # fmt: skip
     assert expected <= names, f"not launched: {expected - names}"
     unique = list({json.dumps(launch, sort_keys=True): launch for launch in launches}.values())
     env = os.environ | {"TRITON_INTERPRET": "0"}

@@ -33,21 +33,18 @@ own K/V back from the cache, as decode will (the SDPA route too), so the two agr
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from siesta import host_ints, pdl
+from siesta import arrivals, host_ints, pdl
 from siesta.attention import triton_kernels as kernels
 from siesta.attention import triton_tiles as tiling
 from siesta.attention.base import AttentionMetadata, KVCache
 from siesta.attention.kv_quant import dequantize, is_quantized
 from siesta.attention.triton_kv_write import quantization_grid, write_kv_triton
-
-logger = logging.getLogger(__name__)
 
 LOG2E = math.log2(math.e)
 # The K and V scales of a cache that is not quantized (the kernels ignore them).
@@ -69,15 +66,11 @@ SDPA_PREFILL_MIN_TOKENS: int | None = 2048
 FUSE_DECODE_KV_WRITE = True
 
 # Split decode steps: the last program of each (request, KV head) to finish merges the splits'
-# partials itself (an arrival count in an int32 a pair), instead of ``reduce_splits_kernel``'s
+# partials itself (``siesta/arrivals.py``), instead of ``reduce_splits_kernel``'s
 # launch a layer after the split kernel (2.4 us and its gap in a Qwen3-30B-A3B batch-1 step, H200
 # run 63a). The same arithmetic, so the same bits (tested). Off until a card measures it: the moe
 # bench's ``knobs`` arm ``fused_merge``.
 FUSE_DECODE_MERGE = False
-# Arrival counters a device holds, zeroed once (every launch leaves them zero): steps with more
-# (request, KV head) pairs than this merge by the separate kernel.
-MERGE_COUNTER_SLOTS = 1 << 16
-_merge_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def _scratch(meta: AttentionMetadata, key: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -93,21 +86,6 @@ def _merge_width(num_splits: int) -> int:
     """The merge's split tile: one width for every split count up to ``tiling.MAX_SPLITS``, so a
     batch with a new count does not compile a new variant mid-serving (H200: ~0.4 s)."""
     return max(host_ints.next_power_of_2(tiling.MAX_SPLITS), host_ints.next_power_of_2(num_splits))
-
-
-def _counters_for(device: torch.device, pairs: int) -> torch.Tensor | None:
-    """The device's arrival counters for a fused merge of ``pairs`` (request, KV head) pairs, or
-    None: too many pairs, or a graph being captured before any eager step made them (a buffer
-    from the graph's pool would not stay zeroed between replays)."""
-    if pairs > MERGE_COUNTER_SLOTS:
-        return None
-    counters = _merge_counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            logger.warning("a decode graph captured before any eager split step: it merges by the merge kernel")
-            return None
-        counters = _merge_counters[device] = torch.zeros(MERGE_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return counters
 
 
 def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
@@ -507,7 +485,7 @@ class TritonAttention:
         stride_block, stride_slot, stride_head = _cache_strides(k_cache, v_cache)
         counters = None
         if write_partials and FUSE_DECODE_MERGE:
-            counters = _counters_for(q.device, num_reqs * shapes.num_kv_heads)
+            counters = arrivals.counters(q.device, num_reqs * shapes.num_kv_heads)
         kernels.decode_split_kernel[(num_reqs, shapes.num_kv_heads, splits)](
             q,
             k_cache,

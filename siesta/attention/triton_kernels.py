@@ -20,7 +20,7 @@ lower, inside its noise (H100 run 56b,
 import triton
 import triton.language as tl
 
-from siesta import pdl
+from siesta import arrivals, pdl
 from siesta.attention.triton_kv_write import store_token_head
 
 
@@ -597,18 +597,15 @@ def _merge_if_last(part_out_ptr, part_lse_ptr, out_ptr, merge_counter_ptr, req, 
     last of them merges the GROUP heads' partials as ``reduce_splits_kernel`` does (one head at
     a time, the same arithmetic) and sets the count back to zero for the next launch.
 
-    The barrier puts every thread's partial stores before the arrival, whose release (gpu scope)
-    publishes them; the last program's acquire, then its L2 reads, see every split's."""
-    tl.debug_barrier()
+    (``siesta/arrivals.py`` says why the last one sees every split's partials.)"""
     counter = merge_counter_ptr + req * (NUM_Q_HEADS // GROUP) + kv_head
-    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits - 1:
+    if arrivals.arrive(counter) == num_splits - 1:
         for h in tl.static_range(GROUP):
             head = kv_head * GROUP + h
             dst = out_ptr + token.to(tl.int64) * stride_o_token + head * stride_o_head
             _merge_row(part_out_ptr, part_lse_ptr, (req.to(tl.int64) * NUM_Q_HEADS + head) * num_splits, num_splits,
                        dst, HEAD_DIM, BLOCK_S, BLOCK_D, True)  # fmt: skip
-        tl.store(counter, 0)
+        arrivals.reset(counter)
 
 
 @triton.jit

@@ -29,6 +29,8 @@ this card's own sweep winners, and ``before`` takes them all back:
 - ``swept_pairs``: the one- and two-token expert kernels (``triton_moe.GATE_UP_PAIR_TILES``,
   ``DOWN_SUM_TILES``) on this card's winners of a sweep of ``PAIR_CANDIDATES`` at one token over
   the model's own experts, one kernel's tiles varied at a time, run here first;
+- ``down_split``: one and two tokens' down-and-sum split over each token's experts, the last
+  to finish summing (``triton_moe.DOWN_SUM_SPLIT``);
 - ``fused_merge``: split decode steps merged by the last split's program, not by the merge
   kernel's launch (``triton_attention.FUSE_DECODE_MERGE``);
 - ``l2_o_proj``: each layer's o_proj prefetched into L2 during its attention (``l2_prefetch``,
@@ -80,6 +82,7 @@ class Knobs:
     kv_fused: bool = False
     pairs: str = "shipped"  # the pair kernels' tiles: "shipped" or "swept"
     merge_fused: bool = False  # triton_attention.FUSE_DECODE_MERGE
+    down_split: bool = False  # triton_moe.DOWN_SUM_SPLIT
     prefetch_rows: int = 0  # l2_prefetch.MAX_ROWS
     prefetch_windows: tuple[str, ...] = l2_prefetch.WINDOWS  # l2_prefetch.ENABLED
 
@@ -92,6 +95,7 @@ def shipped() -> Knobs:
     return Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
                  triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv="shipped",
                  kv_fused=triton_attention.FUSE_DECODE_KV_WRITE, merge_fused=triton_attention.FUSE_DECODE_MERGE,
+                 down_split=triton_moe.DOWN_SUM_SPLIT,
                  prefetch_rows=l2_prefetch.MAX_ROWS,
                  prefetch_windows=l2_prefetch.ENABLED)  # fmt: skip
 
@@ -106,6 +110,7 @@ def arms(base: Knobs) -> dict[str, Knobs]:
         "swept_gemv": replace(base, gemv="swept"),
         "kv_write": replace(base, kv_fused=BEFORE.kv_fused),
         "swept_pairs": replace(base, pairs="swept"),
+        "down_split": replace(base, down_split=True),
         "fused_merge": replace(base, merge_fused=True),
         "l2_o_proj": replace(base, prefetch_rows=PREFETCH_ROWS, prefetch_windows=("o_proj",)),
         "l2_both": replace(base, prefetch_rows=PREFETCH_ROWS, prefetch_windows=("o_proj", "next_qkv")),
@@ -121,7 +126,7 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
     saved = (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
              triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
              triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED,
-             triton_attention.FUSE_DECODE_MERGE)  # fmt: skip
+             triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT)  # fmt: skip
     triton_moe.ALIGN_KERNEL_MAX_PAIRS = knobs.align_max_pairs
     triton_router.ROUTE_NUM_WARPS = knobs.route_warps
     triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
@@ -131,13 +136,14 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
         triton_moe.GATE_UP_PAIR_TILES, triton_moe.DOWN_SUM_TILES = pairs
     l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED = knobs.prefetch_rows, knobs.prefetch_windows
     triton_attention.FUSE_DECODE_MERGE = knobs.merge_fused
+    triton_moe.DOWN_SUM_SPLIT = knobs.down_split
     try:
         yield
     finally:
         (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
          triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
          triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED,
-         triton_attention.FUSE_DECODE_MERGE) = saved  # fmt: skip
+         triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT) = saved  # fmt: skip
 
 
 def gemv_shapes(model: torch.nn.Module) -> list[Shape]:

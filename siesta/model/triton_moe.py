@@ -25,6 +25,9 @@ kernel and down-and-sum (runs 49b, 49d: 1.56x the sorted path, 1.37x at two toke
 launches and 3.8 ms of device time in a 5.2 ms step, still launch-bound). A token's k experts
 are distinct, so at one token no expert is read twice; at two, rarely (an expert both tokens
 chose is read twice, where the sorted path reads it once). Deterministic mode keeps the sorted path and its one tile set.
+With ``DOWN_SUM_SPLIT`` down-and-sum runs a program a (pair, feature tile) instead, k times the
+loads in flight, and the last of a token's k programs to finish sums their outputs
+(``_down_pair_kernel``, ``siesta/arrivals.py``; the same bits).
 
 Row tiles past the padded total return at once. The weights are read once per row tile that
 an expert's tokens fill: at decode, one tile per expert touched, the bytes the roofline counts.
@@ -54,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from siesta import pdl
+from siesta import arrivals, pdl
 from siesta.model import batch_invariant, grouped_mm_moe, triton_align
 from siesta.model.moe import sort_by_expert, sum_over_k
 from siesta.model.triton_matmul import persistent_programs, tma_ready
@@ -163,6 +166,13 @@ class PairTiles:
 # The moe bench's ``knobs`` part sweeps both kernels' tiles (arm ``swept_pairs``).
 GATE_UP_PAIR_TILES = PairTiles(block_n=16, block_k=256, num_warps=4, num_stages=3)
 DOWN_SUM_TILES = PairTiles(block_n=16, block_k=256, num_warps=4, num_stages=4)
+# Down-and-sum split over the token's experts: a program a (pair, feature tile) keeps its pair's
+# output, the last of the token's k to finish sums them (``_down_pair_kernel``; the same bits).
+# The one-program-a-token kernel has a program a feature tile, 128 for Qwen3-30B-A3B at one token
+# on 132 SMs, and read its rows at ~2.5 TB/s on an H200 (run 63a: 0.48 ms a step) where gate/up,
+# a program a pair, read at ~3.4. Off until a card measures it: the moe bench's ``knobs`` arm
+# ``down_split``.
+DOWN_SUM_SPLIT = False
 
 
 def tiles_for(num_pairs: int, num_experts: int) -> MoeTiles:
@@ -338,7 +348,18 @@ def _fused_moe_pairs(
     )  # fmt: skip
     out = torch.empty((t, hidden), dtype=x.dtype, device=x.device)
     dn = DOWN_SUM_TILES
-    _down_sum_kernel[(t, triton.cdiv(hidden, dn.block_n))](
+    feature_tiles = triton.cdiv(hidden, dn.block_n)
+    counters = arrivals.counters(x.device, t * feature_tiles) if DOWN_SUM_SPLIT else None
+    if counters is not None:
+        part = torch.empty((n, hidden), dtype=torch.float32, device=x.device)
+        _down_pair_kernel[(n, feature_tiles)](
+            act, down, flat_ids, flat_weights, part, out, counters, hidden, inter,
+            act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+            TOP_K=k, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=inter % dn.block_k == 0,
+            NUM_STAGES=dn.num_stages, num_warps=dn.num_warps, **pdl.launch(x.device),
+        )  # fmt: skip
+        return out
+    _down_sum_kernel[(t, feature_tiles)](
         act, down, flat_ids, flat_weights, out, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         TOP_K=k, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=inter % dn.block_k == 0,
@@ -435,6 +456,56 @@ def _down_sum_kernel(
             total += pair_out.to(out_ptr.dtype.element_ty).to(tl.float32)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+
+
+@triton.jit
+def _down_pair_kernel(
+    a_ptr, w_ptr, ids_ptr, weight_ptr, part_ptr, out_ptr, counter_ptr, H, I,
+    stride_am, stride_we, stride_wn, stride_om,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (pair, n): ``weight * down_e act`` for BLOCK_N outputs of one pair, rounded to the
+    output dtype and kept (in fp32) at ``part_ptr``; the last of the token's k pairs to arrive
+    (``siesta/arrivals.py``) sums them in k order into the token's outputs.
+
+    ``_down_sum_kernel``'s arithmetic on its tiles, so its bits: each pair's chunks summed in
+    order into the same ``[BLOCK_N, BLOCK_K]`` accumulator, reduced the same way, rounded, and the
+    k of them added to zero in k order in fp32. k times its programs, each streaming one expert's
+    rows, so k times the loads in flight."""
+    pdl.wait_for_previous_grid(USE_PDL)
+    pair = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    token = pair // TOP_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    rows = (offs_n % H).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
+    a_ptrs = a_ptr + pair * stride_am + offs_k
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            a = tl.load(a_ptrs)
+        else:
+            k_mask = (offs_k + k0) < I
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=k_mask, other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    pair_out = tl.sum(acc, axis=1) * tl.load(weight_ptr + pair).to(tl.float32)
+    tl.store(part_ptr + pair * H + offs_n, pair_out.to(out_ptr.dtype.element_ty).to(tl.float32), mask=n_mask)
+    counter = counter_ptr + token * tl.num_programs(1) + pid_n
+    if arrivals.arrive(counter) == TOP_K - 1:
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            total += tl.load(part_ptr + (token * TOP_K + j) * H + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+        arrivals.reset(counter)
 
 
 @triton.jit

@@ -574,12 +574,13 @@ def test_the_last_split_to_finish_merges_with_the_merge_kernels_bits(num_splits,
     """``FUSE_DECODE_MERGE``: one merge launch fewer a split decode launch, the same output bits
     as with it, the oracles' result, and every arrival counter back at zero for the next launch
     (two layers run, one after the other)."""
+    from siesta import arrivals
     from siesta.attention import triton_attention, triton_kernels
 
     outs, merges = [], []
     for fused in (False, True):
         monkeypatch.setattr(triton_attention, "FUSE_DECODE_MERGE", fused)
-        monkeypatch.setattr(triton_attention, "_merge_counters", {})
+        monkeypatch.setattr(arrivals, "_counters", {})
         merge_grids = launch_grids(triton_kernels, "reduce_splits_kernel")
         split_grids = launch_grids(triton_kernels, "decode_split_kernel")
         batch = make_batch(specs, group, head_dim, block_size, dtype, seed=23)
@@ -592,7 +593,7 @@ def test_the_last_split_to_finish_merges_with_the_merge_kernels_bits(num_splits,
         assert split_launches == 2  # both layers split their decode rows: the case under test
         merges.append(len(merge_grids))
         if fused:
-            assert triton_attention._merge_counters[batch.q.device].count_nonzero() == 0
+            assert arrivals._counters[batch.q.device].count_nonzero() == 0
     assert merges[1] == merges[0] - split_launches
     check_against_oracles(batch, backend, outs[1])
     assert torch.equal(outs[0], outs[1])

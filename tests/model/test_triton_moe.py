@@ -544,6 +544,27 @@ def test_the_pair_kernels_tiles_are_knobs(tiles: tuple, monkeypatch: pytest.Monk
     _assert_close(out, _oracle(x, weights, ids, gate_up, down), FP32_TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: c.id)
+def test_down_and_sum_split_over_the_experts_gives_the_one_kernels_bits(case: Case, dtype: torch.dtype, launch_grids,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``DOWN_SUM_SPLIT``: a program a (pair, feature tile), the last of a token's k to arrive
+    summing their outputs, gives the one-program-a-token kernel's bits; twice in a row, so the
+    counters it leaves (all zero) serve the next launch."""
+    from siesta import arrivals
+
+    x, weights, ids, gate_up, down = _inputs(case, dtype)
+    monkeypatch.setattr(arrivals, "_counters", {})
+    whole = _fused(x, weights, ids, gate_up, down)
+    monkeypatch.setattr(triton_moe, "DOWN_SUM_SPLIT", True)
+    grids = launch_grids(triton_moe, "_down_pair_kernel", "_down_sum_kernel")
+    split = [_fused(x, weights, ids, gate_up, down) for _ in range(2)]
+    tiles = -(-case.hidden // triton_moe.DOWN_SUM_TILES.block_n)
+    assert grids == [(case.tokens * case.top_k, tiles)] * 2  # the split kernel only
+    assert torch.equal(split[0], whole) and torch.equal(split[1], whole)
+    assert arrivals._counters[x.device].count_nonzero() == 0
+
+
 def test_the_pair_path_is_for_few_tokens_in_the_default_mode_only(monkeypatch: pytest.MonkeyPatch) -> None:
     case = Case(1, 2, 8, 64, 32)
     x, weights, ids, gate_up, down = _inputs(case, torch.float32)
