@@ -21,7 +21,7 @@ TAKING_PART = {
     "siesta.model.triton_ops": ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel", "_qk_norm_rope_kernel"),
     "siesta.attention.triton_kv_write": ("_write_kv_kernel",),
     "siesta.attention.triton_kernels": ("decode_split_kernel", "reduce_splits_kernel"),
-    "siesta.model.triton_router": ("_route_kernel",),
+    "siesta.model.triton_router": ("_route_kernel", "_linear_route_kernel"),
     "siesta.model.triton_moe": ("_gate_up_pair_kernel", "_down_sum_kernel", "_down_pair_kernel"),
     "siesta.model.triton_align": ("_align_kernel",),
     "siesta.core.argmax": ("_chunk_max_kernel", "_pick_chunk_kernel"),

@@ -183,6 +183,7 @@ def _call_every_kernel(dtype: torch.dtype) -> None:
             triton_router.route(logits, 8, True, dtype)
     triton_align.align_pairs(torch.zeros(64 * 8, dtype=torch.int64), 128, 16, 64 * 8 // 16 + 128)
     x1, router = torch.empty(1, 2048, dtype=dtype), torch.empty(128, 2048, dtype=dtype)
+    triton_router.linear_route(x1, router, 8, True, dtype)  # one token's logits and tail in one launch
     triton_gemv.gemv(x1, router)
     # every per-matrix one-row config the table ships (2-byte weights), and the rule's for the rest
     if dtype.itemsize == 2:
@@ -239,7 +240,7 @@ def test_every_kernel_compiles_for_sm90(launches: list[dict]) -> None:
                 "_write_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel",
                 "_matmul_kernel", "_qk_norm_rope_kernel", "_route_kernel", "_align_kernel", "_gemv_kernel",
                 "_split_k_reduce_kernel", "_prefetch_kernel", "_gate_up_pair_kernel", "_down_sum_kernel",
-                "_down_pair_kernel"}  # fmt: skip
+                "_down_pair_kernel", "_linear_route_kernel"}  # fmt: skip
     assert expected <= names, f"not launched: {expected - names}"
     unique = list({json.dumps(launch, sort_keys=True): launch for launch in launches}.values())
     env = os.environ | {"TRITON_INTERPRET": "0"}

@@ -29,6 +29,8 @@ this card's own sweep winners, and ``before`` takes them all back:
 - ``swept_pairs``: the one- and two-token expert kernels (``triton_moe.GATE_UP_PAIR_TILES``,
   ``DOWN_SUM_TILES``) on this card's winners of a sweep of ``PAIR_CANDIDATES`` at one token over
   the model's own experts, one kernel's tiles varied at a time, run here first;
+- ``route_fused``: one token's router logits and tail in one launch
+  (``triton_router.FUSE_ONE_ROW``);
 - ``down_split``: one and two tokens' down-and-sum split over each token's experts, the last
   to finish summing (``triton_moe.DOWN_SUM_SPLIT``);
 - ``fused_merge``: split decode steps merged by the last split's program, not by the merge
@@ -83,6 +85,7 @@ class Knobs:
     pairs: str = "shipped"  # the pair kernels' tiles: "shipped" or "swept"
     merge_fused: bool = False  # triton_attention.FUSE_DECODE_MERGE
     down_split: bool = False  # triton_moe.DOWN_SUM_SPLIT
+    route_fused: bool = False  # triton_router.FUSE_ONE_ROW
     prefetch_rows: int = 0  # l2_prefetch.MAX_ROWS
     prefetch_windows: tuple[str, ...] = l2_prefetch.WINDOWS  # l2_prefetch.ENABLED
 
@@ -95,7 +98,7 @@ def shipped() -> Knobs:
     return Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
                  triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv="shipped",
                  kv_fused=triton_attention.FUSE_DECODE_KV_WRITE, merge_fused=triton_attention.FUSE_DECODE_MERGE,
-                 down_split=triton_moe.DOWN_SUM_SPLIT,
+                 down_split=triton_moe.DOWN_SUM_SPLIT, route_fused=triton_router.FUSE_ONE_ROW,
                  prefetch_rows=l2_prefetch.MAX_ROWS,
                  prefetch_windows=l2_prefetch.ENABLED)  # fmt: skip
 
@@ -110,6 +113,7 @@ def arms(base: Knobs) -> dict[str, Knobs]:
         "swept_gemv": replace(base, gemv="swept"),
         "kv_write": replace(base, kv_fused=BEFORE.kv_fused),
         "swept_pairs": replace(base, pairs="swept"),
+        "route_fused": replace(base, route_fused=True),
         "down_split": replace(base, down_split=True),
         "fused_merge": replace(base, merge_fused=True),
         "l2_o_proj": replace(base, prefetch_rows=PREFETCH_ROWS, prefetch_windows=("o_proj",)),
@@ -126,7 +130,7 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
     saved = (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
              triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
              triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED,
-             triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT)  # fmt: skip
+             triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT, triton_router.FUSE_ONE_ROW)  # fmt: skip
     triton_moe.ALIGN_KERNEL_MAX_PAIRS = knobs.align_max_pairs
     triton_router.ROUTE_NUM_WARPS = knobs.route_warps
     triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
@@ -137,13 +141,14 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
     l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED = knobs.prefetch_rows, knobs.prefetch_windows
     triton_attention.FUSE_DECODE_MERGE = knobs.merge_fused
     triton_moe.DOWN_SUM_SPLIT = knobs.down_split
+    triton_router.FUSE_ONE_ROW = knobs.route_fused
     try:
         yield
     finally:
         (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
          triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
          triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED,
-         triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT) = saved  # fmt: skip
+         triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT, triton_router.FUSE_ONE_ROW) = saved  # fmt: skip
 
 
 def gemv_shapes(model: torch.nn.Module) -> list[Shape]:

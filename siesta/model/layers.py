@@ -142,7 +142,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = _cpu_linear().linear(x, weight, bias)
         if out is not None:
             return out
-    elif _takes_gemv(x, weight):
+    elif takes_gemv(x, weight):
         return _triton_gemv().gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -166,7 +166,8 @@ GEMV_ROWS = 1
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 
 
-def _takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``linear`` sends this product through the Triton GEMV."""
     if _wants_grad(x, weight):
         return False  # the kernel's output has no backward
     if batch_invariant.enabled():

@@ -21,7 +21,7 @@ from torch import nn
 
 from siesta.model import batch_invariant
 from siesta.model.interface import RoutingSink
-from siesta.model.layers import linear, silu_and_mul
+from siesta.model.layers import linear, silu_and_mul, takes_gemv
 from siesta.parallel import TensorParallel
 
 
@@ -36,11 +36,16 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] in x's dtype, expert ids [T, k] int64)``, the largest weight first."""
-        logits = linear(x, self.weight)
-        if logits.is_cuda:
+        if x.is_cuda:
             from siesta.model import triton_router  # one launch for what route_reference takes six
 
+            if takes_gemv(x, self.weight) and triton_router.fuses_linear(x, self.weight):
+                routed = triton_router.linear_route(x, self.weight, self.top_k, self.norm_topk_prob, x.dtype)
+                if routed is not None:
+                    return routed
+            logits = linear(x, self.weight)
             return triton_router.route(logits, self.top_k, self.norm_topk_prob, x.dtype)
+        logits = linear(x, self.weight)
         return route_reference(logits, self.top_k, self.norm_topk_prob, x.dtype)
 
 

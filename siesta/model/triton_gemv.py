@@ -169,29 +169,22 @@ def _gemv_kernel(
 
     if TENSOR_CORES:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        # Elementwise products are summed over K only after the loop: a reduction per
-        # chunk would cost shuffles (and shared memory across warps) on every step.
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # An explicit num_stages makes Triton pipeline the loads through shared memory on
-    # the tl.sum path too (it only does so by itself for loads that feed a tl.dot).
-    for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            k_mask = (offs_k + k0) < K
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if TENSOR_CORES:
+        # An explicit num_stages makes Triton pipeline the loads through shared memory.
+        for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            else:
+                k_mask = (offs_k + k0) < K
+                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+                x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             # fp32 inputs must not be rounded to tf32: the result would be worse than cuBLAS's.
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if not TENSOR_CORES:
-        acc = tl.sum(acc3, axis=2)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    else:
+        acc = summed_products(x_ptrs, w_ptrs, m_mask, offs_k, K, K_PER_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                              NUM_STAGES)  # fmt: skip
 
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out_offs = pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
@@ -201,6 +194,31 @@ def _gemv_kernel(
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(out_ptr + out_offs, acc, mask=out_mask)
+
+
+@triton.jit
+def summed_products(x_ptrs, w_ptrs, m_mask, offs_k, K, K_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
+    """The tl.sum path's ``[BLOCK_M, BLOCK_N]`` fp32 products over one K slice, from the tiles at
+    ``x_ptrs`` and ``w_ptrs`` (also the fused router's, ``triton_router``, so its logits are the
+    GEMV's bits)."""
+    # Elementwise products are summed over K only after the loop: a reduction per chunk would
+    # cost shuffles (and shared memory across warps) on every step. An explicit num_stages makes
+    # Triton pipeline the loads through shared memory (it only does so by itself for loads that
+    # feed a tl.dot).
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (offs_k + k0) < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    return tl.sum(acc3, axis=2)
 
 
 @triton.jit

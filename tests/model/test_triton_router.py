@@ -125,3 +125,46 @@ def test_one_warp_and_four_give_the_same_bits(dtype: torch.dtype, monkeypatch: p
         monkeypatch.setattr(triton_router, "ROUTE_NUM_WARPS", warps)
         runs.append(route(logits, 8, True, dtype))
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("experts,hidden,top_k", [(128, 2048, 8), (60, 200, 4)], ids=["qwen3-30b-a3b", "ragged"])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if ON_GPU else []), ids=str)
+def test_one_tokens_router_in_one_launch_gives_the_two_launches_bits(experts: int, hidden: int, top_k: int,
+                                                                     dtype: torch.dtype, launch_grids,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """``FUSE_ONE_ROW``: the GEMV's programs store the logits, the last to arrive routes them. The
+    one-row GEMV and the tail kernel's bits (the logits through the GEMV's own loop), torch's
+    experts, twice in a row (the arrival counter back at zero), in one launch (60 experts: a ragged
+    last feature tile; H 200: a ragged last K chunk)."""
+    from siesta import arrivals
+    from siesta.model import triton_gemv, triton_router
+
+    monkeypatch.setattr(arrivals, "_counters", {})
+    monkeypatch.setattr(triton_router, "FUSE_ONE_ROW", True)
+    gen = torch.Generator().manual_seed(experts + hidden)
+    x = torch.randn(1, hidden, generator=gen).to(dtype).to(DEVICE)
+    weight = (torch.randn(experts, hidden, generator=gen) * hidden**-0.5).to(dtype).to(DEVICE)
+    assert triton_router.fuses_linear(x, weight)
+    apart = route(triton_gemv.gemv(x, weight), top_k, True, dtype)
+    grids = launch_grids(triton_router, "_linear_route_kernel", "_route_kernel")
+    fused = [triton_router.linear_route(x, weight, top_k, True, dtype) for _ in range(2)]
+    block_n = triton_gemv.default_config(1, experts, hidden, x.element_size()).block_n
+    assert grids == [(-(-experts // block_n),)] * 2
+    for weights, ids in fused:
+        assert torch.equal(ids, apart[1]) and torch.equal(weights, apart[0])
+    assert arrivals._counters[x.device].count_nonzero() == 0
+    want = route_reference(torch.nn.functional.linear(x.double(), weight.double()), top_k, True, dtype)
+    assert torch.equal(fused[0][1], want[1])
+    torch.testing.assert_close(fused[0][0], want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_router_is_for_one_row_and_the_gemvs_sum_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from siesta.model import triton_router
+
+    x, w = torch.zeros(2, 64), torch.zeros(16, 64)
+    monkeypatch.setattr(triton_router, "FUSE_ONE_ROW", False)
+    assert not triton_router.fuses_linear(x[:1], w)  # shipped off
+    monkeypatch.setattr(triton_router, "FUSE_ONE_ROW", True)
+    assert triton_router.fuses_linear(x[:1], w)
+    assert not triton_router.fuses_linear(x, w)  # two rows: the GEMV's tensor-core path
+    assert not triton_router.fuses_linear(x[:1], torch.zeros(16, 128)[:, :64])  # rows not back to back
