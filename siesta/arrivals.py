@@ -12,8 +12,9 @@ launch leaves the counters as it found them.
 The counters are one zeroed int32 buffer a device (``counters``), shared by every user: launches
 on the engine's stream never overlap (a programmatic dependent launch here only waits), and each
 leaves them zero. Users: the split decode's merge (``attention/triton_attention.py``,
-``FUSE_DECODE_MERGE``) and the experts' down-and-sum over a token's k experts
-(``model/triton_moe.py``, ``DOWN_SUM_SPLIT``).
+``FUSE_DECODE_MERGE``), the experts' down-and-sum over a token's k experts
+(``model/triton_moe.py``, ``DOWN_SUM_SPLIT``) and one token's router (``model/triton_router.py``,
+``FUSE_ONE_ROW``).
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ prefetched. A prefetch is a hint: nothing is read into registers and nothing is 
 result depends on it, and the side stream needs no join before the weight's reader. It joins the
 step once at the end of the forward, which CUDA graph capture requires; the piecewise graphs'
 pieces never fork (they call the layer's halves, not its ``forward``). Prefetches go into CUDA
-graphs only: an eager step would pay two Triton launches a layer on the host. Others measured the same
-idea on other cards: +7 % batch-1 decode steps with ``cp.async.bulk.prefetch.L2`` on an RTX PRO
-6000 (a vLLM fork's GLM-5 path), +3.7 % with ``prefetch.global.L2`` on an RTX 5090.
+graphs only: an eager step would pay two Triton launches a layer on the host. Others measured
+the same idea on other cards: +7 % batch-1 decode steps with ``cp.async.bulk.prefetch.L2`` on an
+RTX PRO 6000 (a vLLM fork's GLM-5 path), +3.7 % with ``prefetch.global.L2`` on an RTX 5090.
 
 Off (``MAX_ROWS = 0``) until a card measures it: the ``moe`` bench's ``knobs`` part has the arms.
 On the CPU there is no L2 to fill and nothing forks; the kernel's address walk runs under the

@@ -35,9 +35,9 @@ from siesta.model import triton_gemv
 ROUTE_NUM_WARPS = 1
 # One token: the router's logits and its tail in one launch (``_linear_route_kernel``), where the
 # one-row GEMV (2.2 us) and the tail (3.3 us) were two a layer in H200 run 63a's batch-1 step.
-# The GEMV's loop, so the logits' bits; the tail on the GEMV's warps, so a weight may differ from
-# the one-warp kernel's in the last bit of fp32 (the sum's order). Off until a card measures it:
-# the moe bench's ``knobs`` arm ``route_fused``.
+# The GEMV's loop, so the logits' bits; the tail's code on the GEMV's warps, whose reductions gave
+# the one-warp kernel's bits on four (``test_one_warp_and_four_give_the_same_bits``, H100 run
+# 64a). Off until a card measures it: the moe bench's ``knobs`` arm ``route_fused``.
 FUSE_ONE_ROW = False
 
 
