@@ -128,7 +128,7 @@ def _attention_arg_types(fn: Any, kv: str, q: str) -> tuple[dict[str, str], tupl
 
     types: dict[str, str] = {}
     for name, param in inspect.signature(fn.fn).parameters.items():
-        constexpr = param.annotation is tl.constexpr or param.annotation in ("tl.constexpr", "triton.language.constexpr")
+        constexpr = param.annotation in (tl.constexpr, "tl.constexpr", "triton.language.constexpr")
         if constexpr and param.default is not inspect.Parameter.empty:
             continue  # a switch with a default (the fused merge, PDL): compiled at it, not as a runtime branch
         if name.startswith(("k_cache", "v_cache")):

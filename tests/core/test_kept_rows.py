@@ -26,7 +26,7 @@ def _generate(monkeypatch: pytest.MonkeyPatch, keep: bool, params: list[Sampling
     last = llm.engine.source.hf_config.num_hidden_layers - 1
     tail_rows: list[int] = []
 
-    def counting(self, attn_out, residual, *rest):  # rest: the step's L2 prefetches, when a forward passes them
+    def counting(self, attn_out, residual, *rest):  # rest: the step's L2 prefetches, from a forward
         if self.self_attn.layer_idx == last:
             tail_rows.append(attn_out.shape[0])
         return AFTER_ATTENTION(self, attn_out, residual, *rest)

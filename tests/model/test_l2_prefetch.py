@@ -75,7 +75,7 @@ class _Recorded(StepPrefetch):
 
 
 @pytest.mark.parametrize("windows", [("o_proj", "next_qkv"), ("o_proj",), ("next_qkv",)])
-def test_a_step_prefetches_each_layers_o_proj_then_the_next_layers_qkv(windows, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_prefetches_each_layers_o_proj_then_the_next_layers_qkv(windows, monkeypatch) -> None:
     """Through a real forward (tiny Qwen3-MoE on the CPU): during layer i's attention its o_proj
     (normal priority), after its o_proj the q/k/v of layer i + 1 (evict_last), none past the last
     layer, and one join at the end; the hidden states are those of a step without prefetches."""
