@@ -3,9 +3,10 @@
 A prompt prefilled for generation (no prompt logprobs) takes logits of its last row only:
 ``CausalLM.forward``'s ``keep`` runs the last layer's o_proj and MLP, the final norm and the
 output head on the kept rows, while every layer before (and the last layer's attention, which
-writes every row's K/V) runs on every token. Counting the head on every row, as the benches did
-until run 65, added 2 x vocab x hidden FLOPs a token that no kernel computes: 5.1 of the 76.2
-TFLOP counted for an 8k Qwen3-30B-A3B prefill (its MFU read 53 % where the work done gives 49 %).
+writes every row's K/V) runs on every token. The benches until run 65 counted the head (and the
+last layer's o_proj and MLP) on every row, work no kernel does: 5.9 of the 76.2 TFLOP counted for
+an 8k Qwen3-30B-A3B prefill (its MFU read 53 % where the work done gives 49 %), 11.8 of 140.6
+for Llama-3-8B's.
 
 Matmul FLOPs only (two a multiply-add): the matrices' weights over the rows they see, the
 experts at their routed share (top k of the experts), and causal attention (QK^T and PV over
