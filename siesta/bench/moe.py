@@ -114,7 +114,8 @@ def prefill(llm, n: int, reps: int = 3, seed: int = 40) -> dict[str, Any]:
         sync()
         dt = time.perf_counter() - t0
     flops = prefill_flops(model, n)
-    # How runs before 65 counted it: the output head over every row (``flops``'s docstring).
+    # The output head over every row, as runs before 65 counted it (they also counted the last
+    # layer's tail there, 1 % more: ``flops``'s docstring).
     head_every_row = flops + 2 * model.shape.vocab_size * model.shape.hidden_size * (n - 1)
     # Where the prefill's time goes (the MFU goal is 60 %): one more run under the profiler.
     prompt = random_prompts(1, n, n, llm.engine.vocab_size, seed=seed + reps)[0]
@@ -389,7 +390,7 @@ def summary_rows(res: dict[str, Any]) -> list[list[Any]]:
                      f"device busy {kernels['device_busy_ms']:.2f} of {kernels['wall_ms']:.2f} ms"])  # fmt: skip
     if "prefill" in res:
         rows.append([f"MoE prefill {res['prefill']['tokens']} tok/s", res["prefill"]["tok_s"],
-                     f"MFU {res['prefill']['mfu']:.0%} (goal >= 60%; head on every row, as before run 65: "
+                     f"MFU {res['prefill']['mfu']:.0%} (goal >= 60%; counting the head on every row: "
                      f"{res['prefill'].get('mfu_head_every_row', float('nan')):.0%})"])  # fmt: skip
         kernels = res["prefill"].get("kernels") or {}
         if kernels.get("top_kernels_ms"):
