@@ -47,11 +47,14 @@ def test_only_small_cuda_steps_prefetch_and_only_with_the_knob_on(monkeypatch: p
     assert not l2_prefetch.wanted(9, CUDA) and not l2_prefetch.wanted(0, CUDA)
     assert not l2_prefetch.wanted(1, torch.device("cpu"))
     assert l2_prefetch.for_step([], 1, torch.device("cpu")) is l2_prefetch.NO_PREFETCH
-    # Only into a graph being captured: an eager step prefetches nothing.
+    # Into a graph being captured; eagerly only the device's first step (the graphs' warm-up:
+    # the kernel compiled and loaded outside any capture), then nothing.
     capturing = [False]
     monkeypatch.setattr(l2_prefetch.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     monkeypatch.setattr(l2_prefetch, "_side_stream", lambda index: "side stream")
     monkeypatch.setattr(l2_prefetch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(l2_prefetch, "_warmed", set())
+    assert isinstance(l2_prefetch.for_step([], 1, CUDA), StepPrefetch)
     assert l2_prefetch.for_step([], 1, CUDA) is l2_prefetch.NO_PREFETCH
     capturing[0] = True
     step = l2_prefetch.for_step([], 1, CUDA)
