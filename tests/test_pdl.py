@@ -17,7 +17,7 @@ from siesta.config import EngineConfig
 
 # The decode path's Triton kernels that take part: module -> kernel names.
 TAKING_PART = {
-    "siesta.model.triton_gemv": ("_gemv_kernel", "_split_k_reduce_kernel"),
+    "siesta.model.triton_gemv": ("_gemv_kernel", "_split_k_reduce_kernel", "_add_norm_gemv_kernel"),
     "siesta.model.triton_ops": ("_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel", "_qk_norm_rope_kernel"),
     "siesta.attention.triton_kv_write": ("_write_kv_kernel",),
     "siesta.attention.triton_kernels": ("decode_split_kernel", "reduce_splits_kernel"),

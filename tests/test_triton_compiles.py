@@ -191,6 +191,10 @@ def _call_every_kernel(dtype: torch.dtype) -> None:
             triton_gemv.gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
     triton_gemv.gemv(x1, torch.empty(256, 2048, dtype=dtype))
     triton_gemv.gemv(x1, router, config=triton_gemv.GemvConfig(4, 512, 4, 3, split_k=4))
+    # A layer's input norm folded into its q/k/v GEMV: Qwen3-30B-A3B's (a table config) and Llama-3-8B's (with bias).
+    for k, n in ((2048, 5120), (4096, 6144)):
+        h, w = torch.empty(1, k, dtype=dtype), torch.empty(k, dtype=dtype)
+        triton_gemv.add_norm_gemv(h, h.clone(), w, 1e-6, torch.empty(n, k, dtype=dtype), torch.empty(n, dtype=dtype), 1 / k)
     # One token's experts (Qwen3-30B-A3B's shapes, 16 experts stand in for 128): gate/up a pair,
     # then down-and-sum a token, or split over its experts with the last to arrive summing.
     if dtype.itemsize == 2:
@@ -240,7 +244,7 @@ def test_every_kernel_compiles_for_sm90(launches: list[dict]) -> None:
                 "_write_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_rope_kernel",
                 "_matmul_kernel", "_qk_norm_rope_kernel", "_route_kernel", "_align_kernel", "_gemv_kernel",
                 "_split_k_reduce_kernel", "_prefetch_kernel", "_gate_up_pair_kernel", "_down_sum_kernel",
-                "_down_pair_kernel", "_linear_route_kernel"}  # fmt: skip
+                "_down_pair_kernel", "_linear_route_kernel", "_add_norm_gemv_kernel"}  # fmt: skip
     assert expected <= names, f"not launched: {expected - names}"
     unique = list({json.dumps(launch, sort_keys=True): launch for launch in launches}.values())
     env = os.environ | {"TRITON_INTERPRET": "0"}

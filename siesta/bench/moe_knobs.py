@@ -29,6 +29,7 @@ this card's own sweep winners, and ``before`` takes them all back:
 - ``swept_pairs``: the one- and two-token expert kernels (``triton_moe.GATE_UP_PAIR_TILES``,
   ``DOWN_SUM_TILES``) on this card's winners of a sweep of ``PAIR_CANDIDATES`` at one token over
   the model's own experts, one kernel's tiles varied at a time, run here first;
+- ``qkv_norm``: one row's input norm folded into the q/k/v GEMV (``triton_gemv.FUSE_ADD_NORM``);
 - ``route_fused``: one token's router logits and tail in one launch
   (``triton_router.FUSE_ONE_ROW``);
 - ``down_split``: one and two tokens' down-and-sum split over each token's experts, the last
@@ -86,6 +87,7 @@ class Knobs:
     merge_fused: bool = False  # triton_attention.FUSE_DECODE_MERGE
     down_split: bool = False  # triton_moe.DOWN_SUM_SPLIT
     route_fused: bool = False  # triton_router.FUSE_ONE_ROW
+    qkv_norm: bool = False  # triton_gemv.FUSE_ADD_NORM
     prefetch_rows: int = 0  # l2_prefetch.MAX_ROWS
     prefetch_windows: tuple[str, ...] = l2_prefetch.WINDOWS  # l2_prefetch.ENABLED
 
@@ -99,6 +101,7 @@ def shipped() -> Knobs:
                  triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv="shipped",
                  kv_fused=triton_attention.FUSE_DECODE_KV_WRITE, merge_fused=triton_attention.FUSE_DECODE_MERGE,
                  down_split=triton_moe.DOWN_SUM_SPLIT, route_fused=triton_router.FUSE_ONE_ROW,
+                 qkv_norm=triton_gemv.FUSE_ADD_NORM,
                  prefetch_rows=l2_prefetch.MAX_ROWS,
                  prefetch_windows=l2_prefetch.ENABLED)  # fmt: skip
 
@@ -113,6 +116,7 @@ def arms(base: Knobs) -> dict[str, Knobs]:
         "swept_gemv": replace(base, gemv="swept"),
         "kv_write": replace(base, kv_fused=BEFORE.kv_fused),
         "swept_pairs": replace(base, pairs="swept"),
+        "qkv_norm": replace(base, qkv_norm=True),
         "route_fused": replace(base, route_fused=True),
         "down_split": replace(base, down_split=True),
         "fused_merge": replace(base, merge_fused=True),
@@ -130,7 +134,8 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
     saved = (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
              triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
              triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED,
-             triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT, triton_router.FUSE_ONE_ROW)  # fmt: skip
+             triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT, triton_router.FUSE_ONE_ROW,
+             triton_gemv.FUSE_ADD_NORM)  # fmt: skip
     triton_moe.ALIGN_KERNEL_MAX_PAIRS = knobs.align_max_pairs
     triton_router.ROUTE_NUM_WARPS = knobs.route_warps
     triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
@@ -142,13 +147,15 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
     triton_attention.FUSE_DECODE_MERGE = knobs.merge_fused
     triton_moe.DOWN_SUM_SPLIT = knobs.down_split
     triton_router.FUSE_ONE_ROW = knobs.route_fused
+    triton_gemv.FUSE_ADD_NORM = knobs.qkv_norm
     try:
         yield
     finally:
         (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
          triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
          triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED,
-         triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT, triton_router.FUSE_ONE_ROW) = saved  # fmt: skip
+         triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT, triton_router.FUSE_ONE_ROW,
+         triton_gemv.FUSE_ADD_NORM) = saved  # fmt: skip
 
 
 def gemv_shapes(model: torch.nn.Module) -> list[Shape]:

@@ -42,6 +42,17 @@ class RMSNorm(nn.Module):
         total = x + residual
         return self._reference(total), total
 
+    def add_norm_linear(self, x: torch.Tensor, residual: torch.Tensor, proj: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(proj(norm(x + residual)), x + residual)``, ``proj`` a ``Linear`` or ``MergedLinear``.
+        With ``triton_gemv.FUSE_ADD_NORM``, a CUDA row that ``linear`` would send through the GEMV's
+        one-row sum path has the add and the norm folded into that GEMV's loads: one launch fewer."""
+        if folds_add_norm(x, proj.weight, self.weight):
+            gemv = _triton_gemv()
+            mean_factor = _triton_ops().mean_factor(1, x.shape[-1])
+            return gemv.add_norm_gemv(x, residual, self.weight, self.eps, proj.weight, proj.bias, mean_factor)
+        h, total = self.add_and_norm(x, residual)
+        return proj(h), total
+
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32, scale in the model dtype: the reference implementation's rounding.
         dtype = x.dtype
@@ -180,6 +191,17 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
     )
+
+
+def folds_add_norm(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether ``RMSNorm.add_norm_linear`` folds its add and norm into the GEMV (the knob on, and
+    a CUDA row the GEMV's one-row sum path takes, its norm weight of its dtype)."""
+    if not x.is_cuda:
+        return False
+    gemv = _triton_gemv()
+    if not (gemv.FUSE_ADD_NORM and takes_gemv(x, weight) and x.shape[0] == 1 and norm_weight.dtype == x.dtype):
+        return False
+    return gemv.sum_path(gemv.default_config(1, weight.shape[0], weight.shape[1], x.element_size()))
 
 
 def _triton_gemv():

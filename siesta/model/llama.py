@@ -111,8 +111,12 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's q ``[T, heads, dim]`` and k, v ``[T, kv_heads, dim]``, rotated (and normed)."""
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
+        return self.rotate(self.qkv_proj(x), positions)
+
+    def rotate(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``project``'s q, k, v from the fused projection's output ``qkv``."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split(
             [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1
         )
         q = q.view(t, self.num_heads, self.head_dim)
@@ -198,9 +202,9 @@ class DecoderLayer(nn.Module):
         """``(q, k, v, residual)`` of this layer from the previous layer's output."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_and_norm(x, residual)
-        return (*self.self_attn.project(h, positions), residual)
+            return (*self.self_attn.project(h, positions), residual)
+        qkv, residual = self.input_layernorm.add_norm_linear(x, residual, self.self_attn.qkv_proj)
+        return (*self.self_attn.rotate(qkv, positions), residual)
 
     def attend(
         self,

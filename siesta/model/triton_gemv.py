@@ -53,6 +53,11 @@ DOT_MIN_ROWS = 16
 REDUCE_BLOCK = 1024
 REDUCE_NUM_WARPS = 4
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# One row's add and RMSNorm folded into the next GEMV's loads (``add_norm_gemv``), where the
+# norm was a launch of its own before it (1.9 us, twice a layer, in H200 run 63a's Qwen3-30B-A3B
+# batch-1 step): for the q/k/v projection after a layer's input norm (``RMSNorm.add_norm_linear``).
+# Off until a card measures it: the moe bench's ``knobs`` arm ``qkv_norm``.
+FUSE_ADD_NORM = False
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,55 @@ def summed_products(x_ptrs, w_ptrs, m_mask, offs_k, K, K_PER_SPLIT, BLOCK_M: tl.
 
 
 @triton.jit
+def _add_norm_gemv_kernel(
+    h_ptr, res_ptr, norm_ptr, w_ptr, bias_ptr, out_ptr, sum_ptr, N, K, stride_wn, eps, mean_factor,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr, EVEN_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """One row's ``linear(norm(h + res))``: program n computes outputs ``[n * BLOCK_N, ...)``.
+
+    Each program first takes the row's sum ``s = h + res`` (rounded to the dtype, as torch's add)
+    whole, for its mean square; program 0 stores ``s``, the residual stream's next value. Its K
+    loop then builds each chunk of the normed row as ``_rms_norm_kernel`` does, ``norm * (s *
+    rsqrt(mean(s^2) + eps))`` rounded where it rounds, and multiplies it as the tl.sum path does
+    (``summed_products``'s accumulator). Not the two launches' bits: the mean square's sum runs in
+    another order, and here with the fused multiply-adds the GEMV's products take (the norm
+    kernel is compiled without), so a normed value may round the other way."""
+    pdl.wait_for_previous_grid(USE_PDL)
+    pid_n = tl.program_id(0)
+    dtype = h_ptr.dtype.element_ty
+    offs_row = tl.arange(0, BLOCK_ROW)
+    row_mask = offs_row < K
+    s = (tl.load(h_ptr + offs_row, mask=row_mask, other=0.0).to(tl.float32)
+         + tl.load(res_ptr + offs_row, mask=row_mask, other=0.0).to(tl.float32)).to(dtype)  # fmt: skip
+    if pid_n == 0:
+        tl.store(sum_ptr + offs_row, s, mask=row_mask)
+    s32 = s.to(tl.float32)
+    scale = tl.math.rsqrt(tl.sum(s32 * s32, axis=0) * mean_factor + eps)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + (offs_n % N).to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc3 = tl.zeros((1, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        sk = (tl.load(h_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+              + tl.load(res_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)).to(dtype)  # fmt: skip
+        normed = (sk.to(tl.float32) * scale).to(dtype)
+        x = (tl.load(norm_ptr + kk, mask=k_mask, other=0.0).to(tl.float32) * normed.to(tl.float32)).to(dtype)
+        acc3 += x.to(tl.float32)[None, None, :] * w.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+    acc = tl.sum(acc3, axis=2)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + (offs_n % N)).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[None, :])
+
+
+@triton.jit
 def _split_k_reduce_kernel(
     partial_ptr,
     bias_ptr,
@@ -243,6 +297,36 @@ def _split_k_reduce_kernel(
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_path(config: GemvConfig) -> bool:
+    """Whether ``config`` is the one-row tl.sum path in one pass (no split over K): the loop the
+    fused kernels here and in ``triton_router`` follow."""
+    return config.split_k == 1 and not config.tensor_cores
+
+
+def add_norm_gemv(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                  bias: torch.Tensor | None, mean_factor: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(linear(rms_norm(h + residual)), h + residual)`` for one row ``h`` ``[1, K]`` in one launch
+    (``_add_norm_gemv_kernel``): the add and the norm folded into the GEMV's loads. ``mean_factor``:
+    what the norm multiplies the sum of squares by (``triton_ops.mean_factor``). The config is the
+    one-row rule's (``sum_path`` of it; the caller checks)."""
+    check_linear_operands("add_norm_gemv", h, weight, bias, SUPPORTED_DTYPES, 1)
+    n, k = weight.shape
+    if residual.shape != h.shape or residual.dtype != h.dtype or norm_weight.shape != (k,):
+        raise ValueError(f"add_norm_gemv: h {tuple(h.shape)}, residual {tuple(residual.shape)} and a norm of "
+                         f"{tuple(norm_weight.shape)} do not make one row of {k}")  # fmt: skip
+    config = default_config(1, n, k, h.element_size())
+    out = torch.empty((1, n), dtype=h.dtype, device=h.device)
+    summed = torch.empty_like(h, memory_format=torch.contiguous_format)
+    _add_norm_gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        h.contiguous(), residual.contiguous(), norm_weight, weight, bias if bias is not None else weight, out, summed,
+        n, k, weight.stride(0), eps, mean_factor,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, BLOCK_ROW=triton.next_power_of_2(k),
+        EVEN_K=k % config.block_k == 0, HAS_BIAS=bias is not None, NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch(h.device),
+    )  # fmt: skip
+    return out, summed
 
 
 def gemv(

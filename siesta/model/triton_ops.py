@@ -131,7 +131,7 @@ def _as_tokens_heads(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])
 
 
-def _mean_factor(rows: int, dim: int) -> float:
+def mean_factor(rows: int, dim: int) -> float:
     """The factor torch's CUDA mean multiplies the sum by: ``float(rows) / float(rows * dim)`` in fp32.
 
     (That is ``1/dim`` rounded to fp32 unless ``rows * dim`` is not a float32.) The
@@ -172,7 +172,7 @@ def _rms_norm(
         res3.stride(0),
         res3.stride(1),
         eps,
-        _mean_factor(num_tokens * num_heads, dim),
+        mean_factor(num_tokens * num_heads, dim),
         NUM_HEADS=num_heads,
         DIM=dim,
         BLOCK_H=block_h,
@@ -588,7 +588,7 @@ def qk_norm_rope(
     _qk_norm_rope_kernel[(num_tokens, triton.cdiv(num_q_heads, block_hq) + 1)](
         q, k, positions, cos, sin, q_weight, k_weight, q_out, k_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        q_eps, k_eps, _mean_factor(num_tokens * num_q_heads, head_dim), _mean_factor(num_tokens * num_k_heads, head_dim),
+        q_eps, k_eps, mean_factor(num_tokens * num_q_heads, head_dim), mean_factor(num_tokens * num_k_heads, head_dim),
         NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HALF=head_dim // 2, BLOCK_HQ=block_hq,
         BLOCK_HK=triton.next_power_of_2(num_k_heads), BLOCK_HALF=block_half,
         MEAN_BY_DIVISION=q.device.type == "cpu" or batch_invariant.enabled(),

@@ -117,8 +117,7 @@ def fuses_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
     follow each other, and the GEMV's one-row tl.sum path (whose loop gives the logits their bits)."""
     if not (FUSE_ONE_ROW and x.shape[0] == 1 and weight.stride(0) == weight.shape[1]):
         return False
-    config = triton_gemv.default_config(1, weight.shape[0], weight.shape[1], x.element_size())
-    return config.split_k == 1 and not config.tensor_cores
+    return triton_gemv.sum_path(triton_gemv.default_config(1, weight.shape[0], weight.shape[1], x.element_size()))
 
 
 def linear_route(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool,

@@ -221,3 +221,54 @@ def test_model_linear_takes_the_gemv_for_one_half_row(monkeypatch) -> None:
     layers.linear(_rand((1, 4096), torch.float32, seed=4), w.float())  # fp32 stays with cuBLAS
     layers.linear(_rand((1, 4096), torch.bfloat16, seed=5), w.clone().requires_grad_())  # autograd too
     assert calls == [1]
+
+
+@pytest.mark.parametrize(("n", "k", "with_bias"), [(96, 256, False), (40, 200, True)], ids=["even", "ragged-bias"])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if ON_GPU else []), ids=str)
+def test_a_rows_add_and_norm_fold_into_the_gemv(n: int, k: int, with_bias: bool, dtype: torch.dtype) -> None:
+    """``add_norm_gemv``: the residual stream's next value exactly (one rounding of the sum, as
+    torch's add), and ``linear(norm(h + res))`` against float64 (fp32), or against the two
+    launches it replaces to bf16's rounding of a normed value (a card)."""
+    from siesta.model import triton_ops
+    from siesta.model.triton_gemv import add_norm_gemv
+
+    gen = torch.Generator().manual_seed(n + k)
+    h, res = (torch.randn(1, k, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    norm = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if with_bias else None
+    y, summed = add_norm_gemv(h, res, norm, 1e-6, w, bias, triton_ops.mean_factor(1, k))
+    assert torch.equal(summed, h + res) and y.shape == (1, n) and y.dtype == dtype
+    s = (h + res).double()
+    want = F.linear(norm.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6), w.double(),
+                    None if bias is None else bias.double())  # fmt: skip
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5)
+    else:
+        normed, _ = triton_ops.fused_add_rms_norm(h, res, norm, 1e-6)
+        torch.testing.assert_close(y.float(), gemv(normed, w, bias).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_layers_input_norm_folds_into_its_qkv_projection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``RMSNorm.add_norm_linear`` through a real forward (tiny Llama in fp32 on the CPU, the fold
+    forced on for one-row steps): each decode step folds every layer's input norm but the first
+    layer's (which has no residual to add) into its q/k/v GEMV, and the tokens and logprobs are
+    the unfolded forward's to fp32 error."""
+    from siesta import LLM, SamplingParams
+    from siesta.model import layers, triton_gemv
+
+    llm = LLM("random:tiny-llama", dtype="float32", kv_cache_bytes=16 << 20, enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(5, 30))}
+    plain = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    calls = []
+    real = triton_gemv.add_norm_gemv
+    monkeypatch.setattr(layers, "folds_add_norm", lambda x, weight, norm_weight: x.shape[0] == 1)
+    monkeypatch.setattr(triton_gemv, "add_norm_gemv", lambda *a: calls.append(id(a[4])) or real(*a))
+    folded = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    layers_ = llm.engine.runner.model.model.layers
+    assert calls == [id(layer.self_attn.qkv_proj.weight) for layer in layers_[1:]] * 3  # 3 decode steps
+    assert folded.token_ids == plain.token_ids
+    for got, want in zip(folded.logprobs, plain.logprobs):
+        assert got.keys() == want.keys()
+        assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)
