@@ -176,13 +176,7 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # An explicit num_stages makes Triton pipeline the loads through shared memory.
         for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
-            if EVEN_K:
-                w = tl.load(w_ptrs)
-                x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            else:
-                k_mask = (offs_k + k0) < K
-                w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            x, w = _chunk(x_ptrs, w_ptrs, m_mask, offs_k, k0, K, EVEN_K)
             # fp32 inputs must not be rounded to tf32: the result would be worse than cuBLAS's.
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
             w_ptrs += BLOCK_K
@@ -202,6 +196,16 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _chunk(x_ptrs, w_ptrs, m_mask, offs_k, k0, K, EVEN_K: tl.constexpr):
+    """One K chunk of x's rows and W's rows (past K: zeros; padding rows of x: zeros, no traffic)."""
+    if EVEN_K:
+        return tl.load(x_ptrs, mask=m_mask[:, None], other=0.0), tl.load(w_ptrs)
+    k_mask = (offs_k + k0) < K
+    x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    return x, tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+
+
+@triton.jit
 def summed_products(x_ptrs, w_ptrs, m_mask, offs_k, K, K_PER_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):  # fmt: skip
     """The tl.sum path's ``[BLOCK_M, BLOCK_N]`` fp32 products over one K slice, from the tiles at
@@ -213,13 +217,7 @@ def summed_products(x_ptrs, w_ptrs, m_mask, offs_k, K, K_PER_SPLIT, BLOCK_M: tl.
     # feed a tl.dot).
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            k_mask = (offs_k + k0) < K
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x, w = _chunk(x_ptrs, w_ptrs, m_mask, offs_k, k0, K, EVEN_K)
         acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
