@@ -443,19 +443,22 @@ def _down_sum_kernel(
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn + (k0 + offs_k)[None, :]
         a_ptrs = a_ptr + pair * stride_am + k0 + offs_k
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            a = tl.load(a_ptrs)
-        else:
-            k_mask = (offs_k + k0) < I
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            a = tl.load(a_ptrs, mask=k_mask, other=0.0)
+        w, a = _down_chunk(w_ptrs, a_ptrs, offs_k, k0, I, EVEN_K)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
         if k0 + BLOCK_K >= I:  # the expert's last chunk: its output joins the sum
             pair_out = tl.sum(acc, axis=1) * tl.load(weight_ptr + pair).to(tl.float32)
             total += pair_out.to(out_ptr.dtype.element_ty).to(tl.float32)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+
+
+@triton.jit
+def _down_chunk(w_ptrs, a_ptrs, offs_k, k0, I, EVEN_K: tl.constexpr):
+    """One I chunk of an expert's down rows and of its pair's activations (zeros past I)."""
+    if EVEN_K:
+        return tl.load(w_ptrs), tl.load(a_ptrs)
+    k_mask = (offs_k + k0) < I
+    return tl.load(w_ptrs, mask=k_mask[None, :], other=0.0), tl.load(a_ptrs, mask=k_mask, other=0.0)
 
 
 @triton.jit
@@ -487,13 +490,7 @@ def _down_pair_kernel(
     a_ptrs = a_ptr + pair * stride_am + offs_k
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            a = tl.load(a_ptrs)
-        else:
-            k_mask = (offs_k + k0) < I
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            a = tl.load(a_ptrs, mask=k_mask, other=0.0)
+        w, a = _down_chunk(w_ptrs, a_ptrs, offs_k, k0, I, EVEN_K)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
