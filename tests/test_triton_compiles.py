@@ -190,6 +190,7 @@ def _call_every_kernel(dtype: torch.dtype) -> None:
         for n, k in triton_gemv.ONE_ROW_SHAPES:
             triton_gemv.gemv(torch.empty(1, k, dtype=dtype), torch.empty(n, k, dtype=dtype))
     triton_gemv.gemv(x1, torch.empty(256, 2048, dtype=dtype))
+    triton_gemv.gemv(torch.empty(1, 1000, dtype=dtype), torch.empty(300, 1000, dtype=dtype))  # a ragged last K chunk
     triton_gemv.gemv(x1, router, config=triton_gemv.GemvConfig(4, 512, 4, 3, split_k=4))
     # A layer's input norm folded into its q/k/v GEMV: Qwen3-30B-A3B's (a table config) and Llama-3-8B's (with bias).
     for k, n in ((2048, 5120), (4096, 6144)):
@@ -200,9 +201,11 @@ def _call_every_kernel(dtype: torch.dtype) -> None:
     if dtype.itemsize == 2:
         x1, ids = torch.empty(1, 2048, dtype=dtype), torch.arange(8).view(1, 8)
         experts = (torch.empty(16, 2 * 768, 2048, dtype=dtype), torch.empty(16, 2048, 768, dtype=dtype))
+        ragged = (torch.empty(16, 2 * 700, 2048, dtype=dtype), torch.empty(16, 2048, 700, dtype=dtype))  # I = 700
         for split in (False, True):
             with _setting(triton_moe, "DOWN_SUM_SPLIT", split):
-                triton_moe._fused_moe_pairs(x1, torch.empty(1, 8, dtype=dtype), ids, *experts)
+                for gate_up, down in (experts, ragged):
+                    triton_moe._fused_moe_pairs(x1, torch.empty(1, 8, dtype=dtype), ids, gate_up, down)
     # L2 prefetches of an o_proj (normal priority) and a q/k/v projection (evict_last): the PTX.
     for evict_last in (False, True):
         l2_prefetch.prefetch(torch.empty(2048, 4096, dtype=dtype), evict_last)
