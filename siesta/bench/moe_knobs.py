@@ -78,32 +78,43 @@ GEMV_WEIGHTS = ("qkv_proj.weight", "o_proj.weight", "gate.weight", "lm_head.weig
 
 @dataclass(frozen=True)
 class Knobs:
+    """A decode step's kernel choices: each field a module setting (``SETTINGS`` says which), but
+    ``gemv`` and ``pairs``, which name tables."""
+
     align_max_pairs: int
     route_warps: int
     qk_heads: int | None
     gemv: str = "shipped"  # ONE_ROW_SHAPES: "shipped", "swept" (this card's winners) or "none"
     kv_fused: bool = False
     pairs: str = "shipped"  # the pair kernels' tiles: "shipped" or "swept"
-    merge_fused: bool = False  # triton_attention.FUSE_DECODE_MERGE
-    down_split: bool = False  # triton_moe.DOWN_SUM_SPLIT
-    route_fused: bool = False  # triton_router.FUSE_ONE_ROW
-    qkv_norm: bool = False  # triton_gemv.FUSE_ADD_NORM
-    prefetch_rows: int = 0  # l2_prefetch.MAX_ROWS
-    prefetch_windows: tuple[str, ...] = l2_prefetch.WINDOWS  # l2_prefetch.ENABLED
+    merge_fused: bool = False
+    down_split: bool = False
+    route_fused: bool = False
+    qkv_norm: bool = False
+    prefetch_rows: int = 0
+    prefetch_windows: tuple[str, ...] = l2_prefetch.WINDOWS
 
 
 # Every choice as it was before H100 run 64b turned the winners on.
 BEFORE = Knobs(align_max_pairs=0, route_warps=4, qk_heads=None, gemv="none", kv_fused=False)
+# Each ``Knobs`` field that is a module setting as it stands, and that setting. (``gemv`` and
+# ``pairs`` name tables instead: ``applied`` sets those.)
+SETTINGS = {
+    "align_max_pairs": (triton_moe, "ALIGN_KERNEL_MAX_PAIRS"),
+    "route_warps": (triton_router, "ROUTE_NUM_WARPS"),
+    "qk_heads": (triton_ops, "QK_NORM_Q_HEADS_PER_PROGRAM"),
+    "kv_fused": (triton_attention, "FUSE_DECODE_KV_WRITE"),
+    "merge_fused": (triton_attention, "FUSE_DECODE_MERGE"),
+    "down_split": (triton_moe, "DOWN_SUM_SPLIT"),
+    "route_fused": (triton_router, "FUSE_ONE_ROW"),
+    "qkv_norm": (triton_gemv, "FUSE_ADD_NORM"),
+    "prefetch_rows": (l2_prefetch, "MAX_ROWS"),
+    "prefetch_windows": (l2_prefetch, "ENABLED"),
+}
 
 
 def shipped() -> Knobs:
-    return Knobs(triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS,
-                 triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM, gemv="shipped",
-                 kv_fused=triton_attention.FUSE_DECODE_KV_WRITE, merge_fused=triton_attention.FUSE_DECODE_MERGE,
-                 down_split=triton_moe.DOWN_SUM_SPLIT, route_fused=triton_router.FUSE_ONE_ROW,
-                 qkv_norm=triton_gemv.FUSE_ADD_NORM,
-                 prefetch_rows=l2_prefetch.MAX_ROWS,
-                 prefetch_windows=l2_prefetch.ENABLED)  # fmt: skip
+    return Knobs(**{name: getattr(module, attr) for name, (module, attr) in SETTINGS.items()})
 
 
 def arms(base: Knobs) -> dict[str, Knobs]:
@@ -131,31 +142,19 @@ def applied(knobs: Knobs, tuned: dict[tuple[int, int], GemvConfig],
             pairs: tuple[PairTiles, PairTiles]) -> Iterator[None]:  # fmt: skip
     """The modules set to ``knobs`` (this card's GEMV winners ``tuned``, pair-kernel winners
     ``pairs``: gate/up's and down-and-sum's), restored after."""
-    saved = (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
-             triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
-             triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED,
-             triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT, triton_router.FUSE_ONE_ROW,
-             triton_gemv.FUSE_ADD_NORM)  # fmt: skip
-    triton_moe.ALIGN_KERNEL_MAX_PAIRS = knobs.align_max_pairs
-    triton_router.ROUTE_NUM_WARPS = knobs.route_warps
-    triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM = knobs.qk_heads
-    triton_gemv.ONE_ROW_SHAPES = {"shipped": saved[3], "swept": dict(tuned), "none": {}}[knobs.gemv]
-    triton_attention.FUSE_DECODE_KV_WRITE = knobs.kv_fused
+    values = {SETTINGS[name]: getattr(knobs, name) for name in SETTINGS}
+    tables = {"shipped": triton_gemv.ONE_ROW_SHAPES, "swept": dict(tuned), "none": {}}
+    values[(triton_gemv, "ONE_ROW_SHAPES")] = tables[knobs.gemv]
     if knobs.pairs == "swept":
-        triton_moe.GATE_UP_PAIR_TILES, triton_moe.DOWN_SUM_TILES = pairs
-    l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED = knobs.prefetch_rows, knobs.prefetch_windows
-    triton_attention.FUSE_DECODE_MERGE = knobs.merge_fused
-    triton_moe.DOWN_SUM_SPLIT = knobs.down_split
-    triton_router.FUSE_ONE_ROW = knobs.route_fused
-    triton_gemv.FUSE_ADD_NORM = knobs.qkv_norm
+        values[(triton_moe, "GATE_UP_PAIR_TILES")], values[(triton_moe, "DOWN_SUM_TILES")] = pairs
+    saved = {key: getattr(*key) for key in values}
+    for (module, attr), value in values.items():
+        setattr(module, attr, value)
     try:
         yield
     finally:
-        (triton_moe.ALIGN_KERNEL_MAX_PAIRS, triton_router.ROUTE_NUM_WARPS, triton_ops.QK_NORM_Q_HEADS_PER_PROGRAM,
-         triton_gemv.ONE_ROW_SHAPES, triton_attention.FUSE_DECODE_KV_WRITE, triton_moe.GATE_UP_PAIR_TILES,
-         triton_moe.DOWN_SUM_TILES, l2_prefetch.MAX_ROWS, l2_prefetch.ENABLED,
-         triton_attention.FUSE_DECODE_MERGE, triton_moe.DOWN_SUM_SPLIT, triton_router.FUSE_ONE_ROW,
-         triton_gemv.FUSE_ADD_NORM) = saved  # fmt: skip
+        for (module, attr), value in saved.items():
+            setattr(module, attr, value)
 
 
 def gemv_shapes(model: torch.nn.Module) -> list[Shape]:
